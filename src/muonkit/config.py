@@ -1,0 +1,167 @@
+"""Typed, validated hyperparameters of one param group.
+
+A param group stays a plain dict (that is what ``torch.optim`` and its lr schedulers use); the
+optimizer reads it through :func:`group_config`, which validates every value and returns a frozen
+dataclass. Every error names the key, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from muonkit.functional.coefficients import as_schedule, resolve_preset
+from muonkit.functional.lr_scaling import ADJUST_LR_CHOICES
+from muonkit.functional.matrices import LAYOUT_KINDS, MatrixLayout
+from muonkit.functional.muon import NSOptions
+
+Algorithm = Literal["muon", "adamw"]
+ALGORITHMS: tuple[str, ...] = ("muon", "adamw")
+MUON_KEYS = (
+    "lr", "momentum", "nesterov", "ns_coefficients", "ns_steps", "eps", "weight_decay",
+    "adjust_lr", "layout", "split_sizes", "ns_dtype",
+)  # fmt: skip
+ADAMW_KEYS = ("lr", "betas", "eps", "weight_decay")
+
+
+@dataclass(frozen=True)
+class MuonConfig:
+    """Hyperparameters of a Muon group (see :class:`muonkit.HybridMuon` for their meaning)."""
+
+    lr: float
+    momentum: float
+    nesterov: bool
+    ns_coefficients: str | tuple[tuple[float, float, float], ...]
+    ns_steps: int | None
+    eps: float
+    weight_decay: float
+    adjust_lr: str | None
+    layout: MatrixLayout
+    ns_dtype: torch.dtype | None
+
+    @property
+    def ns_options(self) -> NSOptions:
+        return NSOptions(self.ns_coefficients, self.ns_steps, self.eps, self.ns_dtype, self.adjust_lr)
+
+    @property
+    def steps(self) -> int:
+        """The number of Newton-Schulz steps actually run."""
+        return len(resolve_preset(self.ns_coefficients, steps=self.ns_steps)[0])
+
+
+@dataclass(frozen=True)
+class AdamWConfig:
+    """Hyperparameters of an AdamW group."""
+
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+
+
+def group_config(group: Mapping[str, Any], index: int | None = None) -> MuonConfig | AdamWConfig:
+    """Validate a param group and return its typed configuration."""
+    where = "" if index is None else f" in param group {index}"
+    algorithm = group.get("algorithm")
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"Invalid algorithm={algorithm!r}{where}: must be one of {ALGORITHMS}")
+    try:
+        return _muon_config(group) if algorithm == "muon" else _adamw_config(group)
+    except ValueError as e:
+        raise ValueError(f"{e}{where}") from None
+
+
+def _muon_config(g: Mapping[str, Any]) -> MuonConfig:
+    ns_coefficients = g["ns_coefficients"]
+    ns_steps = g["ns_steps"]
+    if ns_steps is not None and (
+        not isinstance(ns_steps, int) or isinstance(ns_steps, bool) or not 1 <= ns_steps <= 100
+    ):
+        raise ValueError(f"Invalid ns_steps={ns_steps!r}: must be None or an int in [1, 100]")
+    resolve_preset(ns_coefficients, steps=ns_steps)  # raises on a bad preset
+    if not isinstance(ns_coefficients, str):
+        ns_coefficients = as_schedule(ns_coefficients)
+    adjust_lr = g["adjust_lr"]
+    if adjust_lr not in ADJUST_LR_CHOICES:
+        raise ValueError(f"Invalid adjust_lr={adjust_lr!r}: must be one of {ADJUST_LR_CHOICES}")
+    layout = g["layout"]
+    if layout not in LAYOUT_KINDS:
+        raise ValueError(f"Invalid layout={layout!r}: must be one of {LAYOUT_KINDS}")
+    split = g["split_sizes"]
+    split_sizes = None if split is None else tuple(_positive_int("split_sizes", s) for s in split)
+    ns_dtype = g["ns_dtype"]
+    if ns_dtype not in (None, torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        raise ValueError(
+            f"Invalid ns_dtype={ns_dtype!r}: must be None, torch.float32, torch.bfloat16, torch.float64 or (GPU only) torch.float16"
+        )
+    return MuonConfig(
+        lr=_nonneg("lr", g["lr"]),
+        momentum=_unit("momentum", g["momentum"]),
+        nesterov=_bool("nesterov", g["nesterov"]),
+        ns_coefficients=ns_coefficients,
+        ns_steps=ns_steps,
+        eps=_positive("eps", g["eps"]),
+        weight_decay=_nonneg("weight_decay", g["weight_decay"]),
+        adjust_lr=adjust_lr,
+        layout=MatrixLayout(layout, split_sizes),
+        ns_dtype=ns_dtype,
+    )
+
+
+def _adamw_config(g: Mapping[str, Any]) -> AdamWConfig:
+    betas = g["betas"]
+    if not isinstance(betas, Sequence) or len(betas) != 2:
+        raise ValueError(f"Invalid betas={betas!r}: must be a pair (beta1, beta2), each in [0, 1)")
+    return AdamWConfig(
+        lr=_nonneg("lr", g["lr"]),
+        beta1=_unit("betas[0]", betas[0]),
+        beta2=_unit("betas[1]", betas[1]),
+        eps=_positive("eps", g["eps"]),
+        weight_decay=_nonneg("weight_decay", g["weight_decay"]),
+    )
+
+
+def _number(name: str, value: Any) -> float:
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"Invalid {name}={value!r}: must be a finite number")
+    return float(value)
+
+
+def _nonneg(name: str, value: Any) -> float:
+    v = _number(name, value)
+    if v < 0:
+        raise ValueError(f"Invalid {name}={value!r}: must be >= 0")
+    return v
+
+
+def _positive(name: str, value: Any) -> float:
+    v = _number(name, value)
+    if v <= 0:
+        raise ValueError(f"Invalid {name}={value!r}: must be > 0")
+    return v
+
+
+def _unit(name: str, value: Any) -> float:
+    v = _number(name, value)
+    if not 0.0 <= v < 1.0:
+        raise ValueError(f"Invalid {name}={value!r}: must be in [0, 1)")
+    return v
+
+
+def _bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"Invalid {name}={value!r}: must be True or False")
+    return value
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"Invalid {name} entry {value!r}: must be a positive int")
+    return value

@@ -1,0 +1,70 @@
+"""The distribution-strategy interface: the only layer that knows where tensors live.
+
+The optimizer computes momentum and AdamW elementwise on *local* tensors (whatever slice of a
+parameter this rank stores). Orthogonalization needs *whole* matrices; a strategy assembles them
+wherever they are, has each one orthogonalized exactly once across all ranks, and hands every
+rank back the direction for its own local slice. Strategies are the only place that issues
+collectives.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from muonkit.config import MuonConfig
+from muonkit.functional.matrices import orthogonalization_flops
+
+
+@dataclass
+class StrategyStats:
+    """Cumulative counters of the work a strategy did on this rank (for tests and benchmarks)."""
+
+    matrices: int = 0
+    """Matrices orthogonalized on this rank."""
+    flops: int = 0
+    """Newton-Schulz FLOPs spent on this rank."""
+    bytes_sent: int = 0
+    """Bytes this rank sent through collectives issued by the optimizer."""
+    collectives: int = 0
+    """Collective calls issued by the optimizer on this rank."""
+
+    def reset(self) -> None:
+        self.matrices = self.flops = self.bytes_sent = self.collectives = 0
+
+
+class Strategy(ABC):
+    """How the optimizer's local tensors relate to whole matrices across ranks."""
+
+    name: str = "abstract"
+
+    def __init__(self) -> None:
+        self.stats = StrategyStats()
+
+    def local(self, t: Tensor) -> Tensor:
+        """The part of ``t`` stored on this rank, as a plain tensor."""
+        return t
+
+    def new_state(self, param: Tensor, dtype: torch.dtype) -> Tensor:
+        """A zero state buffer laid out like ``param`` (sharded the same way), in ``dtype``."""
+        return torch.zeros_like(param, dtype=dtype, memory_format=torch.preserve_format)
+
+    def all_finite(self, local_ok: Tensor) -> bool:
+        """Whether every rank's gradients are finite, given this rank's verdict (bool tensor)."""
+        return bool(local_ok.item())
+
+    @abstractmethod
+    def muon_directions(self, params: list[Tensor], updates: list[Tensor], config: MuonConfig) -> list[Tensor]:
+        """Local slices of ``scale * orthogonalize(U)`` for each param.
+
+        ``updates[i]`` is the local slice of the momentum update of ``params[i]``; the result
+        has the same local shape. Each whole matrix is orthogonalized exactly once across ranks.
+        """
+
+    def count_batch(self, count: int, rows: int, cols: int, *, steps: int) -> None:
+        """Record one batched orthogonalization on this rank."""
+        self.stats.matrices += count
+        self.stats.flops += count * orthogonalization_flops(rows, cols, steps)

@@ -1,0 +1,27 @@
+"""The math of muonkit: pure functions on plain local tensors (no process groups, no DTensor)."""
+
+from muonkit.functional.adamw import adamw_
+from muonkit.functional.coefficients import PRESETS, Preset, resolve_preset
+from muonkit.functional.lr_scaling import ADJUST_LR_CHOICES, lr_scale
+from muonkit.functional.matrices import MatrixBlock, MatrixLayout, orthogonalization_flops
+from muonkit.functional.momentum import muon_momentum_
+from muonkit.functional.muon import NSOptions, muon_apply_, muon_directions
+from muonkit.functional.orthogonalize import default_compute_dtype, orthogonalize
+
+__all__ = [
+    "ADJUST_LR_CHOICES",
+    "PRESETS",
+    "MatrixBlock",
+    "MatrixLayout",
+    "NSOptions",
+    "Preset",
+    "adamw_",
+    "default_compute_dtype",
+    "lr_scale",
+    "muon_apply_",
+    "muon_directions",
+    "muon_momentum_",
+    "orthogonalization_flops",
+    "orthogonalize",
+    "resolve_preset",
+]

@@ -1,0 +1,77 @@
+"""The Muon update on whole tensors: orthogonalize (batched by shape), scale, apply.
+
+Given the momentum updates ``U`` of whole parameter tensors, :func:`muon_directions` returns
+``D = scale(rows, cols) * orthogonalize(U)`` per matrix block, with every block of the same
+``(rows, cols)`` across all tensors stacked into one batched call. :func:`muon_apply_` then does
+
+    W <- W * (1 - lr * wd)      # decoupled, with the unscaled lr
+    W <- W - lr * D
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from muonkit.functional.lr_scaling import lr_scale
+from muonkit.functional.matrices import MatrixLayout
+from muonkit.functional.orthogonalize import orthogonalize
+
+
+@dataclass(frozen=True)
+class NSOptions:
+    """How to orthogonalize: the Newton-Schulz schedule and the lr-shape convention."""
+
+    coefficients: str | tuple[tuple[float, float, float], ...] = "polar_express"
+    steps: int | None = None
+    eps: float = 1e-7
+    dtype: torch.dtype | None = None
+    adjust_lr: str | None = "keller"
+
+    def orthogonalize(self, x: Tensor) -> Tensor:
+        return orthogonalize(x, coefficients=self.coefficients, steps=self.steps, eps=self.eps, dtype=self.dtype)
+
+
+BatchHook = Callable[[int, int, int], None]
+"""Called with ``(count, rows, cols)`` for every batched orthogonalization (instrumentation)."""
+
+
+def muon_directions(
+    updates: Sequence[Tensor],
+    layouts: Sequence[MatrixLayout],
+    options: NSOptions,
+    *,
+    on_batch: BatchHook | None = None,
+) -> list[Tensor]:
+    """Scaled orthogonalized directions for whole tensors, same shapes and dtypes as ``updates``."""
+    pieces: list[list[Tensor]] = [layout.to_matrices(u) for u, layout in zip(updates, layouts, strict=True)]
+    by_shape: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for ti, mats in enumerate(pieces):
+        for bi, m in enumerate(mats):
+            by_shape.setdefault((m.size(-2), m.size(-1)), []).append((ti, bi))
+    results: list[list[Tensor]] = [[torch.empty(0)] * len(mats) for mats in pieces]
+    for (rows, cols), members in by_shape.items():
+        stacked = torch.cat([pieces[ti][bi] for ti, bi in members], dim=0)
+        if on_batch is not None:
+            on_batch(stacked.size(0), rows, cols)
+        out = options.orthogonalize(stacked)
+        out.mul_(lr_scale(options.adjust_lr, rows, cols))
+        for (ti, bi), chunk in zip(
+            members, torch.split(out, [pieces[ti][bi].size(0) for ti, bi in members]), strict=True
+        ):
+            results[ti][bi] = chunk
+    return [layout.from_matrices(r, u.shape) for r, u, layout in zip(results, updates, layouts, strict=True)]
+
+
+def muon_apply_(params: Sequence[Tensor], directions: Sequence[Tensor], *, lr: float, weight_decay: float) -> None:
+    """``W <- W*(1 - lr*wd) - lr*D`` in place; low-precision params go through fp32."""
+    for p, d in zip(params, directions, strict=True):
+        work = p if p.dtype == torch.float32 or p.dtype == torch.float64 else p.float()
+        if weight_decay != 0:
+            work.mul_(1.0 - lr * weight_decay)
+        work.add_(d.to(work.dtype), alpha=-lr)
+        if work is not p:
+            p.copy_(work)

@@ -1,0 +1,351 @@
+"""HybridMuon: one ``torch.optim.Optimizer``, Muon or AdamW chosen per param group.
+
+The optimizer validates, keeps state and orchestrates; the math lives in
+:mod:`muonkit.functional` and everything about where tensors live in the strategy picked once by
+:func:`muonkit.distributed.select_strategy`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Literal, cast
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from muonkit.config import AdamWConfig, MuonConfig, group_config
+from muonkit.distributed import Strategy, select_strategy
+from muonkit.functional.adamw import adamw_
+from muonkit.functional.momentum import muon_momentum_
+from muonkit.functional.muon import muon_apply_
+
+logger = logging.getLogger(__name__)
+
+NonFinite = Literal["skip", "raise", "unchecked"]
+NONFINITE_CHOICES: tuple[str, ...] = ("skip", "raise", "unchecked")
+_STATE_KEYS = {"muon": ("momentum_buffer",), "adamw": ("exp_avg", "exp_avg_sq", "step")}
+
+
+class HybridMuon(Optimizer):
+    r"""Muon for hidden matrices, AdamW for everything else, in one optimizer.
+
+    Each param group has ``algorithm="muon"`` or ``algorithm="adamw"`` and may override any
+    hyperparameter. Build the groups with :func:`muonkit.param_groups`, which routes a model by its
+    structure::
+
+        opt = muonkit.HybridMuon(muonkit.param_groups(model, lr=0.02, adamw_lr=3e-4))
+
+    Muon groups, for a weight ``W`` with gradient ``G`` (``rows x cols``, PyTorch layout)::
+
+        M <- momentum*M + (1 - momentum)*G              # fp32 buffer, never touches p.grad
+        U <- G.lerp(M, momentum) if nesterov else M
+        O <- orthogonalize(U)                            # Newton-Schulz, batched by shape
+        W <- W*(1 - lr*weight_decay) - lr*scale(rows, cols)*O
+
+    AdamW groups follow ``torch.optim.AdamW`` exactly, with fp32 states.
+
+    Defaults and why: ``lr=0.02`` with ``adjust_lr="keller"`` and ``momentum=0.95`` is the
+    setting Keller Jordan tuned on NanoGPT and that trains small and mid-size transformers out of
+    the box; ``ns_coefficients="polar_express"`` reaches a tighter singular-value band than
+    Keller's tuple in the same 5 steps (see :mod:`muonkit.functional.coefficients`);
+    ``weight_decay=0`` as in Keller's runs (set 0.01-0.1 for long runs). AdamW groups default
+    to ``adamw_lr=3e-4``, ``betas=(0.9, 0.95)`` (the usual LLM setting) and no weight decay (they
+    hold embeddings, norms and biases, which are normally not decayed). To reuse AdamW's lr and
+    weight decay for the Muon groups, pass ``adjust_lr="match_adamw"`` and the AdamW values.
+
+    Args:
+        params: param groups (dicts with ``"algorithm"``) or an iterable of tensors (all >= 2D,
+            then all Muon).
+        lr, momentum, nesterov, ns_coefficients, ns_steps, eps, weight_decay, adjust_lr: Muon
+            defaults; ``ns_coefficients`` is ``"polar_express"``, ``"keller"``, ``"you"`` or a
+            sequence of ``(a, b, c)``; ``adjust_lr`` is ``"keller"``, ``"match_adamw"``,
+            ``"spectral"`` or None.
+        layout, split_sizes: how tensors become matrices (:class:`muonkit.functional.MatrixLayout`);
+            ``split_sizes`` splits each matrix along its rows (fused QKV).
+        ns_dtype: compute dtype of Newton-Schulz (default: bf16 where fast, else fp32).
+        adamw_lr, betas, adamw_eps, adamw_weight_decay: AdamW defaults.
+        nonfinite: what a non-finite gradient does. ``"skip"`` (default): the whole step is
+            skipped on every group and rank, a warning is logged and ``skipped_steps`` counts it;
+            costs one max-abs pass over the gradients and one host sync per step. ``"raise"``:
+            ``FloatingPointError`` before anything changes. ``"unchecked"``: no check, no cost.
+        process_group: for DDP, the process group the gradients are averaged over.
+        strategy: an explicit :class:`muonkit.distributed.Strategy` (advanced).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        *,
+        lr: float = 0.02,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_coefficients: str | Sequence[Sequence[float]] = "polar_express",
+        ns_steps: int | None = None,
+        eps: float = 1e-7,
+        weight_decay: float = 0.0,
+        adjust_lr: str | None = "keller",
+        layout: str = "auto",
+        split_sizes: Sequence[int] | None = None,
+        ns_dtype: torch.dtype | None = None,
+        adamw_lr: float = 3e-4,
+        betas: tuple[float, float] = (0.9, 0.95),
+        adamw_eps: float = 1e-8,
+        adamw_weight_decay: float = 0.0,
+        nonfinite: NonFinite = "skip",
+        process_group: Any | None = None,
+        strategy: Strategy | None = None,
+    ) -> None:
+        if nonfinite not in NONFINITE_CHOICES:
+            raise ValueError(f"Invalid nonfinite={nonfinite!r}: must be one of {NONFINITE_CHOICES}")
+        self.nonfinite = nonfinite
+        self.skipped_steps = 0
+        self._adamw_defaults = {"lr": adamw_lr, "betas": betas, "eps": adamw_eps, "weight_decay": adamw_weight_decay}
+        defaults = {
+            "algorithm": None, "lr": lr, "momentum": momentum, "nesterov": nesterov,
+            "ns_coefficients": ns_coefficients, "ns_steps": ns_steps, "eps": eps,
+            "weight_decay": weight_decay, "adjust_lr": adjust_lr, "layout": layout,
+            "split_sizes": None if split_sizes is None else tuple(split_sizes),
+            "ns_dtype": ns_dtype, "betas": betas,
+        }  # fmt: skip
+        super().__init__(params, defaults)
+        all_params = [p for g in self.param_groups for p in g["params"]]
+        self.strategy: Strategy = strategy or select_strategy(all_params, process_group=process_group)
+
+    # ------------------------------------------------------------------ groups
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group; it is validated completely before anything changes."""
+        group = dict(param_group)
+        params = group["params"]
+        params = [params] if isinstance(params, Tensor) else list(params)
+        if "algorithm" not in group or group["algorithm"] is None:
+            group["algorithm"] = _default_algorithm(params, len(self.param_groups))
+        if group["algorithm"] == "adamw":
+            for key, value in self._adamw_defaults.items():
+                group.setdefault(key, value)
+        filled = {**self.defaults, **group}
+        group_config(filled, len(self.param_groups))
+        if filled["algorithm"] == "muon":
+            _check_muon_params(params, filled, len(self.param_groups))
+        super().add_param_group(group)
+
+    # ------------------------------------------------------------------ step
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One optimization step on every group; returns the closure's loss if given."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        configs = [group_config(g, i) for i, g in enumerate(self.param_groups)]
+        work = [self._params_with_grad(g) for g in self.param_groups]
+        if not self._grads_ok([p for ps in work for p in ps]):
+            return loss
+        for config, params in zip(configs, work, strict=True):
+            if isinstance(config, MuonConfig):
+                self._muon_step(params, config)
+            else:
+                self._adamw_step(params, cast(AdamWConfig, config))
+        return loss
+
+    def _params_with_grad(self, group: Mapping[str, Any]) -> list[Tensor]:
+        params = [p for p in group["params"] if p.grad is not None]
+        for p in params:
+            grad = cast(Tensor, p.grad)
+            if grad.is_sparse:
+                raise RuntimeError(
+                    "HybridMuon does not support sparse gradients; use torch.optim.SparseAdam for those params"
+                )
+            if p.is_complex() or grad.is_complex():
+                raise RuntimeError("HybridMuon does not support complex params or gradients")
+        return params
+
+    def _grads_ok(self, params: list[Tensor]) -> bool:
+        if self.nonfinite == "unchecked" or not params:
+            return True
+        local = [self.strategy.local(cast(Tensor, p.grad)) for p in params]
+        peaks = torch._foreach_norm([g for g in local if g.numel() > 0], float("inf")) if local else []
+        ok = torch.stack([torch.isfinite(x) for x in peaks]).all() if peaks else torch.tensor(True)
+        if self.strategy.all_finite(ok.cpu()):
+            return True
+        if self.nonfinite == "raise":
+            raise FloatingPointError("non-finite gradient (inf or nan); nothing was updated")
+        self.skipped_steps += 1
+        logger.warning("Skipping optimizer step: non-finite gradient (skipped so far: %d)", self.skipped_steps)
+        return False
+
+    def _state_dtype(self, p: Tensor) -> torch.dtype:
+        return p.dtype if p.dtype in (torch.float32, torch.float64) else torch.float32
+
+    def _muon_step(self, params: list[Tensor], config: MuonConfig) -> None:
+        if not params:
+            return
+        local = self.strategy.local
+        buffers = []
+        for p in params:
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = self.strategy.new_state(p, self._state_dtype(p))
+            buffers.append(local(state["momentum_buffer"]))
+        grads = [local(cast(Tensor, p.grad)) for p in params]
+        updates = muon_momentum_(buffers, grads, momentum=config.momentum, nesterov=config.nesterov)
+        directions = self.strategy.muon_directions(params, updates, config)
+        muon_apply_([local(p) for p in params], directions, lr=config.lr, weight_decay=config.weight_decay)
+
+    def _adamw_step(self, params: list[Tensor], config: AdamWConfig) -> None:
+        if not params:
+            return
+        local = self.strategy.local
+        exp_avgs, exp_avg_sqs, steps = [], [], []
+        for p in params:
+            state = self.state[p]
+            if "step" not in state:
+                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                state["exp_avg"] = self.strategy.new_state(p, self._state_dtype(p))
+                state["exp_avg_sq"] = self.strategy.new_state(p, self._state_dtype(p))
+            exp_avgs.append(local(state["exp_avg"]))
+            exp_avg_sqs.append(local(state["exp_avg_sq"]))
+            steps.append(state["step"])
+        adamw_(
+            [local(p) for p in params],
+            [local(cast(Tensor, p.grad)) for p in params],
+            exp_avgs,
+            exp_avg_sqs,
+            steps,
+            lr=config.lr,
+            beta1=config.beta1,
+            beta2=config.beta2,
+            eps=config.eps,
+            weight_decay=config.weight_decay,
+        )
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load a state; a state that does not fit these param groups raises and changes nothing."""
+        self._check_state_dict(state_dict)
+        saved = state_dict["state"]
+        ids = [pid for g in state_dict["param_groups"] for pid in g["params"]]
+        super().load_state_dict(dict(state_dict))
+        # torch casts float states to the param dtype; keep our fp32 states for low-precision params.
+        params = [p for g in self.param_groups for p in g["params"]]
+        for pid, p in zip(ids, params, strict=True):
+            for key, value in saved.get(pid, {}).items():
+                if isinstance(value, Tensor) and key != "step":
+                    self.state[p][key] = value.to(device=p.device, dtype=self._state_dtype(p), copy=True)
+
+    def _check_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        if not isinstance(state_dict, Mapping) or "state" not in state_dict or "param_groups" not in state_dict:
+            raise ValueError("Invalid optimizer state: expected a dict with 'state' and 'param_groups'")
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(
+                f"Optimizer state has {len(saved_groups)} param groups, this optimizer has {len(self.param_groups)}"
+            )
+        index = 0
+        for gi, (group, saved) in enumerate(zip(self.param_groups, saved_groups, strict=True)):
+            if len(saved["params"]) != len(group["params"]):
+                raise ValueError(
+                    f"Param group {gi} has {len(group['params'])} params, the saved state has {len(saved['params'])}"
+                )
+            algorithm = saved.get("algorithm", group["algorithm"])
+            if algorithm != group["algorithm"]:
+                raise ValueError(
+                    f"Param group {gi} is {group['algorithm']!r} here but {algorithm!r} in the saved state"
+                )
+            group_config({**self.defaults, **{k: v for k, v in saved.items() if k != "params"}}, gi)
+            for p, pid in zip(group["params"], saved["params"], strict=True):
+                _check_param_state(state_dict["state"].get(pid), p, algorithm, gi, index)
+                index += 1
+
+
+def _default_algorithm(params: list[Tensor], index: int) -> str:
+    if all(p.ndim >= 2 for p in params):
+        return "muon"
+    raise ValueError(
+        f"Param group {index} has no 'algorithm' and contains tensors with < 2 dims: give it "
+        "algorithm='adamw', or build the groups with muonkit.param_groups(model)"
+    )
+
+
+def _check_muon_params(params: list[Tensor], group: Mapping[str, Any], index: int) -> None:
+    config = cast(MuonConfig, group_config(group, index))
+    for p in params:
+        if p.ndim < 2:
+            raise ValueError(
+                f"Param group {index} (algorithm='muon') has a tensor of shape {tuple(p.shape)}: Muon "
+                "needs >= 2 dims; put it in an algorithm='adamw' group"
+            )
+        if p.is_complex():
+            raise ValueError(f"Param group {index} has a complex tensor: complex params are not supported")
+        try:
+            config.layout.blocks(p.shape)
+        except ValueError as e:
+            raise ValueError(f"{e} (param group {index})") from None
+
+
+def _check_param_state(state: Mapping[str, Any] | None, p: Tensor, algorithm: str, group: int, index: int) -> None:
+    if not state:
+        return
+    expected = _STATE_KEYS[algorithm]
+    missing = [k for k in expected if k not in state]
+    if missing:
+        raise ValueError(
+            f"Saved state of param {index} (group {group}, {algorithm}) lacks {missing}; has {sorted(state)}"
+        )
+    for key in expected:
+        value = state[key]
+        if key == "step":
+            continue
+        if not isinstance(value, Tensor) or tuple(value.shape) != tuple(p.shape):
+            shape = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+            raise ValueError(
+                f"Saved {key} of param {index} (group {group}) has shape {shape}, the param has {tuple(p.shape)}"
+            )
+
+
+class Muon(HybridMuon):
+    """Pure Muon with ``torch.optim.Muon``'s signature and defaults, also for >= 3D tensors.
+
+    ``adjust_lr_fn`` accepts torch's names (``"original"`` = ``"keller"``, ``"match_rms_adamw"``
+    = ``"match_adamw"``) and ours. 3D tensors are batches of matrices (MoE experts), >= 4D are
+    flattened to ``(out, in*k...)`` (convs).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        weight_decay: float = 0.1,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_coefficients: str | Sequence[Sequence[float]] | tuple[float, float, float] = (3.4445, -4.7750, 2.0315),
+        eps: float = 1e-7,
+        ns_steps: int = 5,
+        adjust_lr_fn: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        names = {None: "keller", "original": "keller", "match_rms_adamw": "match_adamw"}
+        super().__init__(
+            params,
+            lr=lr,
+            weight_decay=weight_decay,
+            momentum=momentum,
+            nesterov=nesterov,
+            ns_coefficients=cast(Sequence[Sequence[float]], ns_coefficients),
+            eps=eps,
+            ns_steps=ns_steps,
+            adjust_lr=names.get(adjust_lr_fn, adjust_lr_fn),
+            **kwargs,
+        )
+        for i, group in enumerate(self.param_groups):
+            if group["algorithm"] != "muon":
+                raise ValueError(
+                    f"muonkit.Muon takes Muon groups only; group {i} is {group['algorithm']!r} (use HybridMuon)"
+                )
+
+
+__all__ = ["NONFINITE_CHOICES", "HybridMuon", "Muon"]

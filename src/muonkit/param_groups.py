@@ -1,0 +1,143 @@
+"""Model -> HybridMuon param groups, and a printable explanation of the routing.
+
+groups = muonkit.param_groups(model, lr=0.02, adamw_lr=3e-4, weight_decay=0.01)
+opt = muonkit.HybridMuon(groups)
+print(muonkit.explain(model))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from muonkit.routing import STATE_BYTES, Route, RuleLike, route
+
+
+def param_groups(
+    model: nn.Module,
+    *,
+    lr: float = 0.02,
+    adamw_lr: float = 3e-4,
+    weight_decay: float = 0.0,
+    adamw_weight_decay: float = 0.0,
+    rules: Sequence[RuleLike] | Mapping[str, str] | None = None,
+    split_qkv: bool = False,
+    muon_options: Mapping[str, Any] | None = None,
+    adamw_options: Mapping[str, Any] | None = None,
+) -> list[dict[str, Any]]:
+    """Param groups for :class:`muonkit.HybridMuon`, routed by model structure.
+
+    One group per (algorithm, layout, split): Muon groups get ``lr`` and ``weight_decay``, AdamW
+    groups ``adamw_lr`` and ``adamw_weight_decay``. ``muon_options`` / ``adamw_options`` add any
+    other group key (``adjust_lr``, ``betas``...). Each group also carries ``param_names``.
+    See :mod:`muonkit.routing` for the rules; ``rules`` are checked first.
+    """
+    routes = route(model, rules=rules, split_qkv=split_qkv)
+    named = dict(model.named_parameters())
+    groups: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for r in routes:
+        key = (r.algorithm, r.layout, r.split_sizes)
+        if key not in groups:
+            groups[key] = _new_group(r, lr, adamw_lr, weight_decay, adamw_weight_decay, muon_options, adamw_options)
+        groups[key]["params"].append(named[r.name])
+        groups[key]["param_names"].append(r.name)
+    return list(groups.values())
+
+
+def _new_group(
+    r: Route,
+    lr: float,
+    adamw_lr: float,
+    weight_decay: float,
+    adamw_weight_decay: float,
+    muon_options: Mapping[str, Any] | None,
+    adamw_options: Mapping[str, Any] | None,
+) -> dict[str, Any]:
+    group: dict[str, Any] = {"params": [], "param_names": [], "algorithm": r.algorithm}
+    if r.algorithm == "muon":
+        group.update(
+            lr=lr, weight_decay=weight_decay, layout=r.layout, split_sizes=r.split_sizes, **(muon_options or {})
+        )
+    else:
+        group.update(lr=adamw_lr, weight_decay=adamw_weight_decay, **(adamw_options or {}))
+    return group
+
+
+@dataclass(frozen=True)
+class RoutingReport:
+    """The routing of a model: one row per tensor, plus totals. ``str()`` renders a table."""
+
+    routes: tuple[Route, ...]
+
+    def params(self, algorithm: str) -> int:
+        return sum(r.numel for r in self.routes if r.algorithm == algorithm)
+
+    @property
+    def total_params(self) -> int:
+        return sum(r.numel for r in self.routes)
+
+    @property
+    def muon_fraction(self) -> float:
+        """f: the share of parameters on Muon."""
+        return self.params("muon") / self.total_params if self.total_params else 0.0
+
+    @property
+    def hybrid_state_bytes(self) -> int:
+        """Optimizer-state bytes under HybridMuon (fp32: 4 B/param on Muon, 8 B/param on AdamW)."""
+        return sum(r.numel * STATE_BYTES[r.algorithm] for r in self.routes)
+
+    @property
+    def adamw_state_bytes(self) -> int:
+        """Optimizer-state bytes if every parameter were on AdamW (8 B/param)."""
+        return self.total_params * STATE_BYTES["adamw"]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "tensors": [
+                {
+                    "name": r.name,
+                    "shape": list(r.shape),
+                    "algorithm": r.algorithm,
+                    "reason": r.reason,
+                    "layout": r.layout,
+                }
+                for r in self.routes
+            ],
+            "params": {"muon": self.params("muon"), "adamw": self.params("adamw"), "total": self.total_params},
+            "muon_fraction": self.muon_fraction,
+            "state_bytes": {"hybrid_muon": self.hybrid_state_bytes, "adamw": self.adamw_state_bytes},
+        }
+
+    def __str__(self) -> str:
+        rows = [("name", "shape", "algorithm", "reason")]
+        rows += [(r.name, "x".join(map(str, r.shape)) or "scalar", r.algorithm, r.reason) for r in self.routes]
+        widths = [max(len(row[i]) for row in rows) for i in range(3)]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(row[:3], widths, strict=True)) + "  " + row[3] for row in rows]
+        lines.insert(1, "-" * len(lines[0]))
+        saving = 1 - self.hybrid_state_bytes / self.adamw_state_bytes if self.adamw_state_bytes else 0.0
+        lines += [
+            "",
+            f"params on Muon:  {self.params('muon'):>14,}",
+            f"params on AdamW: {self.params('adamw'):>14,}",
+            f"Muon fraction f: {self.muon_fraction:>14.3f}",
+            f"optimizer state: HybridMuon {_gib(self.hybrid_state_bytes)} vs AdamW {_gib(self.adamw_state_bytes)}"
+            f" ({saving:.1%} less; f/2 = {self.muon_fraction / 2:.1%})",
+        ]
+        return "\n".join(lines)
+
+
+def explain(
+    model: nn.Module,
+    *,
+    rules: Sequence[RuleLike] | Mapping[str, str] | None = None,
+    split_qkv: bool = False,
+) -> RoutingReport:
+    """Where each tensor of ``model`` goes (name, shape, algorithm, reason) and the totals."""
+    return RoutingReport(tuple(route(model, rules=rules, split_qkv=split_qkv)))
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.3f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"

@@ -1,0 +1,214 @@
+"""Hybrid routing: which tensors of a model get Muon and which get AdamW, and why.
+
+Muon is for the 2D hidden matrices of attention and MLP blocks (and conv filters, and each
+expert of a fused MoE tensor). Everything else goes to AdamW. The built-in rules, in order
+(first match wins, after the user's ``rules``):
+
+====  =========================================================  =========  ===============
+#     tensor                                                     algorithm  layout
+====  =========================================================  =========  ===============
+1     weight of an embedding module (``nn.Embedding`` & co.)      adamw
+2     output head: ``get_output_embeddings()``, or a module       adamw
+      named lm_head / head / classifier / score / qa_outputs /
+      output / output_layer (tied heads share the embedding's
+      tensor and are caught by rule 1)
+3     fewer than 2 dims: norms, biases, scalars, gains            adamw
+4     MoE router (``*.gate`` / ``*.router`` / ``*Router``)        adamw
+5     ``nn.Linear`` weight                                        muon       matrix
+6     transformers ``Conv1D`` weight, stored (in, out)            muon       transposed
+7     ``nn.Conv1d/2d/3d`` weight                                  muon       flatten
+8     3D tensor of an experts module (``*Experts`` / ``experts``) muon       experts
+9     anything else (a raw ``nn.Parameter``, positional tables)   adamw
+====  =========================================================  =========  ===============
+
+A user rule is ``(pattern, algorithm)`` or a :class:`Rule`; patterns are Python regular
+expressions searched in the parameter's full name (``re.search``).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from muonkit.config import ALGORITHMS
+from muonkit.functional.matrices import LAYOUT_KINDS
+
+_HEAD_NAMES = {"lm_head", "head", "classifier", "score", "qa_outputs", "output", "output_layer"}
+_ROUTER_NAMES = {"gate", "router"}
+_FUSED_QKV_NAMES = {"c_attn", "qkv", "qkv_proj", "wqkv", "query_key_value", "in_proj"}
+STATE_BYTES = {"muon": 4, "adamw": 8}
+"""Optimizer-state bytes per parameter: one fp32 momentum for Muon, two fp32 moments for AdamW."""
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Send every parameter whose name matches ``pattern`` (``re.search``) to ``algorithm``."""
+
+    pattern: str
+    algorithm: str
+    layout: str = "auto"
+    split_sizes: tuple[int, ...] | None = None
+    reason: str = ""
+
+    def __post_init__(self) -> None:
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(
+                f"Invalid algorithm={self.algorithm!r} in rule {self.pattern!r}: must be one of {ALGORITHMS}"
+            )
+        if self.layout not in LAYOUT_KINDS:
+            raise ValueError(f"Invalid layout={self.layout!r} in rule {self.pattern!r}: must be one of {LAYOUT_KINDS}")
+        try:
+            re.compile(self.pattern)
+        except re.error as e:
+            raise ValueError(f"Invalid rule pattern {self.pattern!r}: {e}") from None
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where one parameter goes, and why."""
+
+    name: str
+    shape: tuple[int, ...]
+    algorithm: str
+    reason: str
+    layout: str = "auto"
+    split_sizes: tuple[int, ...] | None = None
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+RuleLike = Rule | tuple[str, str]
+
+
+def route(
+    model: nn.Module, *, rules: Sequence[RuleLike] | Mapping[str, str] | None = None, split_qkv: bool = False
+) -> list[Route]:
+    """The route of every trainable parameter of ``model``, in ``named_parameters`` order."""
+    user_rules = _as_rules(rules)
+    heads = _output_head_ids(model)
+    owners = _owning_modules(model)
+    config = getattr(model, "config", None)
+    routes = []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        module_name, module = owners[name]
+        routes.append(_route_one(name, p, module_name, module, user_rules, heads, split_qkv, config))
+    return routes
+
+
+def _route_one(
+    name: str,
+    p: torch.Tensor,
+    module_name: str,
+    module: nn.Module,
+    user_rules: list[Rule],
+    heads: set[int],
+    split_qkv: bool,
+    config: Any,
+) -> Route:
+    shape = tuple(p.shape)
+    for rule in user_rules:
+        if re.search(rule.pattern, name):
+            return Route(
+                name, shape, rule.algorithm, rule.reason or f"rule {rule.pattern!r}", rule.layout, rule.split_sizes
+            )
+    leaf = module_name.rsplit(".", 1)[-1].lower()
+    cls = type(module).__name__
+    if isinstance(module, nn.Embedding) or cls.endswith("Embedding") or cls.endswith("Embeddings"):
+        return Route(name, shape, "adamw", "embedding (tied with the output head)" if id(p) in heads else "embedding")
+    if id(p) in heads or leaf in _HEAD_NAMES:
+        return Route(name, shape, "adamw", "output head")
+    if p.ndim < 2:
+        return Route(name, shape, "adamw", _vector_reason(name, module))
+    if leaf in _ROUTER_NAMES or "Router" in cls:
+        return Route(name, shape, "adamw", "MoE router")
+    if isinstance(module, nn.Linear) and p.ndim == 2:
+        return _matrix_route(name, shape, "matrix", "hidden Linear", leaf, split_qkv, config)
+    if cls == "Conv1D" and p.ndim == 2:
+        return _matrix_route(name, shape, "transposed", "GPT-2 Conv1D (stored in x out)", leaf, split_qkv, config)
+    if isinstance(module, nn.modules.conv._ConvNd):
+        return Route(name, shape, "muon", "conv filter as (out, in*k)", "flatten")
+    if p.ndim == 3 and ("Experts" in cls or "experts" in name.split(".")):
+        return Route(name, shape, "muon", "MoE experts (each expert its own matrix)", "experts")
+    return Route(name, shape, "adamw", "not a weight of a known matrix module (add a rule to use Muon)")
+
+
+def _matrix_route(
+    name: str, shape: tuple[int, ...], layout: str, reason: str, leaf: str, split_qkv: bool, config: Any
+) -> Route:
+    if split_qkv and leaf in _FUSED_QKV_NAMES:
+        rows = shape[1] if layout == "transposed" else shape[0]
+        sizes = qkv_split_sizes(rows, config)
+        if sizes is not None:
+            return Route(name, shape, "muon", f"{reason}, fused QKV split {list(sizes)}", layout, sizes)
+    return Route(name, shape, "muon", reason, layout)
+
+
+def qkv_split_sizes(rows: int, config: Any = None) -> tuple[int, ...] | None:
+    """Row blocks (Q, K, V) of a fused projection with ``rows`` output rows.
+
+    Uses the model config's head counts (grouped-query attention) when it has them, else
+    equal thirds. Returns None when the rows cannot be split that way.
+    """
+    heads = getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    hidden = getattr(config, "hidden_size", None)
+    head_dim = getattr(config, "head_dim", None) or (hidden // heads if hidden and heads else None)
+    if heads and kv_heads and head_dim:
+        q, kv = heads * head_dim, kv_heads * head_dim
+        if q + 2 * kv == rows:
+            return (q, kv, kv)
+    if rows % 3 == 0:
+        return (rows // 3,) * 3
+    return None
+
+
+def _vector_reason(name: str, module: nn.Module) -> str:
+    cls = type(module).__name__
+    if "Norm" in cls:
+        return "norm"
+    if name.endswith("bias"):
+        return "bias"
+    return "scalar or vector (< 2 dims)"
+
+
+def _as_rules(rules: Sequence[RuleLike] | Mapping[str, str] | None) -> list[Rule]:
+    if rules is None:
+        return []
+    items: Iterable[Any] = rules.items() if isinstance(rules, Mapping) else rules
+    out = []
+    for item in items:
+        if isinstance(item, Rule):
+            out.append(item)
+        elif isinstance(item, tuple) and len(item) == 2:
+            out.append(Rule(str(item[0]), str(item[1])))
+        else:
+            raise ValueError(f"Invalid rule {item!r}: must be a muonkit.Rule or a (pattern, algorithm) pair")
+    return out
+
+
+def _output_head_ids(model: nn.Module) -> set[int]:
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    return {id(p) for p in head.parameters()} if isinstance(head, nn.Module) else set()
+
+
+def _owning_modules(model: nn.Module) -> dict[str, tuple[str, nn.Module]]:
+    """Full parameter name -> (module name, module that registers it), first registration wins."""
+    owners: dict[str, tuple[str, nn.Module]] = {}
+    for module_name, module in model.named_modules():
+        for pname, _ in module.named_parameters(recurse=False):
+            full = f"{module_name}.{pname}" if module_name else pname
+            owners.setdefault(full, (module_name, module))
+    return owners
