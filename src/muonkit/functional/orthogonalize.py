@@ -8,8 +8,9 @@ sent to 1. Newton-Schulz gets there approximately with matrix products only:
     X  <- a X + (b A + c A^2) X                   (one (a, b, c) per step)
 
 computed on the short side (tall inputs are transposed first, so ``A`` is the small Gram
-matrix). Before normalizing we divide by ``max|U|`` in fp32, so tiny (1e-30) and huge (1e30)
-inputs reach the iteration with a Frobenius norm >= 1 and never underflow or overflow.
+matrix). Before normalizing we divide by ``max|U|`` (in fp32, or fp64 for fp64 input), so tiny
+(1e-30) and huge (1e30) inputs reach the iteration with a Frobenius norm >= 1 and never underflow
+or overflow.
 
 Example::
 
@@ -85,8 +86,10 @@ def orthogonalize(
 
 
 def _normalize(x: Tensor, norm_factor: float, eps: float) -> Tensor:
-    """x / (k*||x||_F + eps) per matrix, in fp32, safe for any finite scale."""
-    x = x.to(torch.float32)
+    """x / (k*||x||_F + eps) per matrix, in fp32 (fp64 for fp64 input), safe for any finite scale."""
+    # fp64 stays fp64: casting it to fp32 first would overflow above ~3e38, flush values below
+    # ~1e-45 to zero, and cap a float64 Newton-Schulz at fp32 accuracy.
+    x = x.to(torch.promote_types(x.dtype, torch.float32))
     peak = x.abs().amax(dim=(-2, -1), keepdim=True)
     x = x / torch.where(peak > 0, peak, torch.ones_like(peak))
     norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)
