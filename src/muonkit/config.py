@@ -18,12 +18,13 @@ from muonkit.functional.coefficients import as_schedule, resolve_preset
 from muonkit.functional.lr_scaling import ADJUST_LR_CHOICES
 from muonkit.functional.matrices import LAYOUT_KINDS, MatrixLayout
 from muonkit.functional.muon import NSOptions
+from muonkit.functional.orthogonalize import METHODS
 
 Algorithm = Literal["muon", "adamw"]
 ALGORITHMS: tuple[str, ...] = ("muon", "adamw")
 MUON_KEYS = (
     "lr", "momentum", "nesterov", "ns_coefficients", "ns_steps", "eps", "weight_decay",
-    "adjust_lr", "layout", "split_sizes", "ns_dtype",
+    "adjust_lr", "layout", "split_sizes", "ns_dtype", "ns_method",
 )  # fmt: skip
 ADAMW_KEYS = ("lr", "betas", "eps", "weight_decay")
 
@@ -42,10 +43,11 @@ class MuonConfig:
     adjust_lr: str | None
     layout: MatrixLayout
     ns_dtype: torch.dtype | None
+    ns_method: str = "newton_schulz"
 
     @property
     def ns_options(self) -> NSOptions:
-        return NSOptions(self.ns_coefficients, self.ns_steps, self.eps, self.ns_dtype, self.adjust_lr)
+        return NSOptions(self.ns_coefficients, self.ns_steps, self.eps, self.ns_dtype, self.adjust_lr, self.ns_method)
 
     @property
     def steps(self) -> int:
@@ -99,6 +101,9 @@ def _muon_config(g: Mapping[str, Any]) -> MuonConfig:
         raise ValueError(
             f"Invalid ns_dtype={ns_dtype!r}: must be None, torch.float32, torch.bfloat16, torch.float64 or (GPU only) torch.float16"
         )
+    ns_method = g.get("ns_method", "newton_schulz")
+    if ns_method not in METHODS:
+        raise ValueError(f"Invalid ns_method={ns_method!r}: must be one of {METHODS}")
     return MuonConfig(
         lr=_nonneg("lr", g["lr"]),
         momentum=_unit("momentum", g["momentum"]),
@@ -110,6 +115,7 @@ def _muon_config(g: Mapping[str, Any]) -> MuonConfig:
         adjust_lr=adjust_lr,
         layout=MatrixLayout(layout, split_sizes),
         ns_dtype=ns_dtype,
+        ns_method=ns_method,
     )
 
 

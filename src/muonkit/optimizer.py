@@ -65,6 +65,8 @@ class HybridMuon(Optimizer):
         layout, split_sizes: how tensors become matrices (:class:`muonkit.functional.MatrixLayout`);
             ``split_sizes`` splits each matrix along its rows (fused QKV).
         ns_dtype: compute dtype of Newton-Schulz (default: bf16 where fast, else fp32).
+        ns_method: ``"newton_schulz"`` or ``"gram"`` (iterate on the Gram matrix: fewer FLOPs for
+            aspect ratios >= 2, about twice the bf16 rounding error; see ``orthogonalize``).
         adamw_lr, betas, adamw_eps, adamw_weight_decay: AdamW defaults.
         nonfinite: what a non-finite gradient does. ``"skip"`` (default): the whole step is
             skipped on every group and rank, a warning is logged and ``skipped_steps`` counts it;
@@ -89,6 +91,7 @@ class HybridMuon(Optimizer):
         layout: str = "auto",
         split_sizes: Sequence[int] | None = None,
         ns_dtype: torch.dtype | None = None,
+        ns_method: str = "newton_schulz",
         adamw_lr: float = 3e-4,
         betas: tuple[float, float] = (0.9, 0.95),
         adamw_eps: float = 1e-8,
@@ -107,7 +110,7 @@ class HybridMuon(Optimizer):
             "ns_coefficients": ns_coefficients, "ns_steps": ns_steps, "eps": eps,
             "weight_decay": weight_decay, "adjust_lr": adjust_lr, "layout": layout,
             "split_sizes": None if split_sizes is None else tuple(split_sizes),
-            "ns_dtype": ns_dtype, "betas": betas,
+            "ns_dtype": ns_dtype, "ns_method": ns_method, "betas": betas,
         }  # fmt: skip
         super().__init__(params, defaults)
         all_params = [p for g in self.param_groups for p in g["params"]]

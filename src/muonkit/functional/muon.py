@@ -30,9 +30,12 @@ class NSOptions:
     eps: float = 1e-7
     dtype: torch.dtype | None = None
     adjust_lr: str | None = "keller"
+    method: str = "newton_schulz"
 
     def orthogonalize(self, x: Tensor) -> Tensor:
-        return orthogonalize(x, coefficients=self.coefficients, steps=self.steps, eps=self.eps, dtype=self.dtype)
+        return orthogonalize(
+            x, coefficients=self.coefficients, steps=self.steps, eps=self.eps, dtype=self.dtype, method=self.method
+        )
 
 
 BatchHook = Callable[[int, int, int], None]

@@ -29,7 +29,9 @@ from torch import Tensor
 
 from muonkit.functional.coefficients import resolve_preset
 
-__all__ = ["default_compute_dtype", "orthogonalize"]
+__all__ = ["METHODS", "default_compute_dtype", "orthogonalize"]
+
+METHODS: tuple[str, ...] = ("newton_schulz", "gram")
 
 
 def default_compute_dtype(device: torch.device | str) -> torch.dtype:
@@ -56,6 +58,7 @@ def orthogonalize(
     steps: int | None = None,
     eps: float = 1e-7,
     dtype: torch.dtype | None = None,
+    method: str = "newton_schulz",
 ) -> Tensor:
     """Approximate polar factor of a matrix or of each matrix in a batch ``(..., m, n)``.
 
@@ -67,11 +70,16 @@ def orthogonalize(
         steps: number of iterations (default: the preset's own, 5 for all built-ins).
         eps: added to the norm, so an all-zero matrix maps to zero.
         dtype: compute dtype of the matrix products (default: :func:`default_compute_dtype`).
+        method: ``"newton_schulz"`` (default) iterates on ``X``; ``"gram"`` iterates on the small
+            Gram matrix (:func:`_gram_newton_schulz`), the same polynomial in exact arithmetic and
+            fewer FLOPs when the aspect ratio is >= 2; other shapes use ``"newton_schulz"``.
     """
     if x.ndim < 2:
         raise ValueError(f"orthogonalize needs a matrix or a batch of matrices, got shape {tuple(x.shape)}")
     if x.is_complex():
         raise ValueError("orthogonalize does not support complex tensors")
+    if method not in METHODS:
+        raise ValueError(f"Invalid method={method!r}: must be one of {METHODS}")
     schedule, norm_factor = resolve_preset(coefficients, steps=steps)
     compute = dtype if dtype is not None else default_compute_dtype(x.device)
     if compute == torch.float16 and x.device.type == "cpu":
@@ -80,7 +88,8 @@ def orthogonalize(
     work = x.mT if tall else x
     batch_shape = work.shape[:-2]
     work = work.reshape(-1, work.size(-2), work.size(-1))
-    out = _newton_schulz(_normalize(work, norm_factor, eps).to(compute), schedule)
+    iterate = _gram_newton_schulz if method == "gram" and 2 * work.size(-2) <= work.size(-1) else _newton_schulz
+    out = iterate(_normalize(work, norm_factor, eps).to(compute), schedule)
     out = out.reshape(*batch_shape, out.size(-2), out.size(-1))
     return (out.mT if tall else out).to(x.dtype)
 
@@ -103,3 +112,29 @@ def _newton_schulz(x: Tensor, schedule: Sequence[tuple[float, float, float]]) ->
         poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
         x = torch.baddbmm(x, poly, x, beta=a)
     return x
+
+
+def _gram_newton_schulz(
+    x: Tensor, schedule: Sequence[tuple[float, float, float]], *, restarts: tuple[int, ...] = (2,)
+) -> Tensor:
+    """The same iteration run on the n x n Gram matrix of a batch (B, n, m), n <= m/2.
+
+    Each step is ``X <- P X`` with ``P = a I + b R + c R^2`` and ``R = X X^T``. Since P is a
+    polynomial in R, ``X_k = Q_k X_0`` with ``Q <- P Q`` and ``R <- P R P``: all n x n products
+    except one ``X X^T`` at the start and ``Q X`` at the end. Per step 4 n^3 + 4 n^3 FLOPs instead
+    of 4 n^2 m + 2 n^3. Rounding in R compounds in low precision, so at each step in ``restarts``
+    ``X`` is rebuilt from ``Q`` and R recomputed from it (one extra pair of n x m products).
+    """
+    gram = torch.bmm(x, x.mT)
+    q: Tensor | None = None
+    for i, (a, b, c) in enumerate(schedule):
+        if i in restarts and q is not None:
+            x = torch.bmm(q, x)
+            gram = torch.bmm(x, x.mT)
+            q = None
+        poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+        poly.diagonal(dim1=-2, dim2=-1).add_(a)
+        q = poly if q is None else torch.bmm(poly, q)
+        if i + 1 < len(schedule) and i + 1 not in restarts:
+            gram = torch.bmm(poly, torch.bmm(gram, poly))
+    return x if q is None else torch.bmm(q, x)
