@@ -145,6 +145,7 @@ class HybridMuon(Optimizer):
                 loss = closure()
         configs = [group_config(g, i) for i, g in enumerate(self.param_groups)]
         work = [self._params_with_grad(g) for g in self.param_groups]
+        self.strategy.check_participation([p.grad is not None for g in self.param_groups for p in g["params"]])
         if not self._grads_ok([p for ps in work for p in ps]):
             return loss
         for config, params in zip(configs, work, strict=True):

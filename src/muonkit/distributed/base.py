@@ -10,6 +10,7 @@ collectives.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -55,6 +56,14 @@ class Strategy(ABC):
     def all_finite(self, local_ok: Tensor) -> bool:
         """Whether every rank's gradients are finite, given this rank's verdict (bool tensor)."""
         return bool(local_ok.item())
+
+    def check_participation(self, has_grad: Sequence[bool]) -> None:
+        """Check that all ranks step the same params (``has_grad``: every param, in group order).
+
+        Strategies with collectives raise on every rank when ranks disagree, which would
+        otherwise hang a collective or mix different tensors in it. One device: nothing to do.
+        """
+        del has_grad
 
     @abstractmethod
     def muon_directions(self, params: list[Tensor], updates: list[Tensor], config: MuonConfig) -> list[Tensor]:
