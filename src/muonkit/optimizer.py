@@ -171,7 +171,8 @@ class HybridMuon(Optimizer):
         if self.nonfinite == "unchecked" or not params:
             return True
         local = [self.strategy.local(cast(Tensor, p.grad)) for p in params]
-        peaks = torch._foreach_norm([g for g in local if g.numel() > 0], float("inf")) if local else []
+        nonempty = [g for g in local if g.numel() > 0]  # a rank may hold only empty shards (FSDP2)
+        peaks = torch._foreach_norm(nonempty, float("inf")) if nonempty else []
         ok = torch.stack([torch.isfinite(x) for x in peaks]).all() if peaks else torch.tensor(True)
         if self.strategy.all_finite(ok.cpu()):
             return True
