@@ -20,6 +20,7 @@ from muonkit.distributed import Strategy, select_strategy
 from muonkit.functional.adamw import adamw_
 from muonkit.functional.momentum import muon_momentum_
 from muonkit.functional.muon import muon_apply_
+from muonkit.shapes import full_shape
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +116,17 @@ class HybridMuon(Optimizer):
         super().__init__(params, defaults)
         all_params = [p for g in self.param_groups for p in g["params"]]
         self.strategy: Strategy = strategy or select_strategy(all_params, process_group=process_group)
+
+    def set_strategy(self, strategy: Strategy) -> None:
+        """Replace the distribution strategy, before the first step.
+
+        For engines that rewrite the param groups after the optimizer is built (DeepSpeed ZeRO
+        hands ``step()`` flat partitions): :mod:`muonkit.integrations.deepspeed` calls this once
+        the engine exists. Raises if any state exists, since states follow the strategy's layout.
+        """
+        if any(self.state.values()):
+            raise RuntimeError("set_strategy must be called before the first step (optimizer state exists)")
+        self.strategy = strategy
 
     # ------------------------------------------------------------------ groups
 
@@ -268,7 +280,7 @@ class HybridMuon(Optimizer):
 
 
 def _default_algorithm(params: list[Tensor], index: int) -> str:
-    if all(p.ndim >= 2 for p in params):
+    if all(len(full_shape(p)) >= 2 for p in params):
         return "muon"
     raise ValueError(
         f"Param group {index} has no 'algorithm' and contains tensors with < 2 dims: give it "
@@ -279,15 +291,16 @@ def _default_algorithm(params: list[Tensor], index: int) -> str:
 def _check_muon_params(params: list[Tensor], group: Mapping[str, Any], index: int) -> None:
     config = cast(MuonConfig, group_config(group, index))
     for p in params:
-        if p.ndim < 2:
+        shape = full_shape(p)  # a ZeRO-3 partition keeps its layer's shape in ds_shape
+        if len(shape) < 2:
             raise ValueError(
-                f"Param group {index} (algorithm='muon') has a tensor of shape {tuple(p.shape)}: Muon "
+                f"Param group {index} (algorithm='muon') has a tensor of shape {shape}: Muon "
                 "needs >= 2 dims; put it in an algorithm='adamw' group"
             )
         if p.is_complex():
             raise ValueError(f"Param group {index} has a complex tensor: complex params are not supported")
         try:
-            config.layout.blocks(p.shape)
+            config.layout.blocks(shape)
         except ValueError as e:
             raise ValueError(f"{e} (param group {index})") from None
 

@@ -37,6 +37,7 @@ from torch import nn
 
 from muonkit.config import ALGORITHMS
 from muonkit.functional.matrices import LAYOUT_KINDS
+from muonkit.shapes import full_shape
 
 _HEAD_NAMES = {"lm_head", "head", "classifier", "score", "qa_outputs", "output", "output_layer"}
 _ROUTER_NAMES = {"gate", "router"}
@@ -117,7 +118,7 @@ def _route_one(
     split_qkv: bool,
     config: Any,
 ) -> Route:
-    shape = tuple(p.shape)
+    shape = full_shape(p)  # ZeRO-3 partitions keep their layer's shape in ds_shape
     for rule in user_rules:
         if re.search(rule.pattern, name):
             return Route(
@@ -129,17 +130,17 @@ def _route_one(
         return Route(name, shape, "adamw", "embedding (tied with the output head)" if id(p) in heads else "embedding")
     if id(p) in heads or leaf in _HEAD_NAMES:
         return Route(name, shape, "adamw", "output head")
-    if p.ndim < 2:
+    if len(shape) < 2:
         return Route(name, shape, "adamw", _vector_reason(name, module))
     if leaf in _ROUTER_NAMES or "Router" in cls:
         return Route(name, shape, "adamw", "MoE router")
-    if isinstance(module, nn.Linear) and p.ndim == 2:
+    if isinstance(module, nn.Linear) and len(shape) == 2:
         return _matrix_route(name, shape, "matrix", "hidden Linear", leaf, split_qkv, config)
-    if cls == "Conv1D" and p.ndim == 2:
+    if cls == "Conv1D" and len(shape) == 2:
         return _matrix_route(name, shape, "transposed", "GPT-2 Conv1D (stored in x out)", leaf, split_qkv, config)
     if isinstance(module, nn.modules.conv._ConvNd):
         return Route(name, shape, "muon", "conv filter as (out, in*k)", "flatten")
-    if p.ndim == 3 and ("Experts" in cls or "experts" in name.split(".")):
+    if len(shape) == 3 and ("Experts" in cls or "experts" in name.split(".")):
         return Route(name, shape, "muon", "MoE experts (each expert its own matrix)", "experts")
     return Route(name, shape, "adamw", "not a weight of a known matrix module (add a rule to use Muon)")
 
