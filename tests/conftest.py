@@ -20,6 +20,10 @@ settings.register_profile(
 settings.register_profile("deep", max_examples=500, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
+# The tests use small tensors, where a second intra-op thread only adds synchronization; on a
+# busy 2-core machine OpenMP's barriers made them ~10x slower. No test measures speed.
+torch.set_num_threads(int(os.environ.get("MUONKIT_TEST_THREADS", "1")))
+
 
 @pytest.fixture(autouse=True)
 def _seed() -> None:

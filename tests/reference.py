@@ -14,7 +14,24 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+# Coefficients typed again from BRIEF section 1 (not imported from muonkit, to catch typos there).
 KELLER = [(3.4445, -4.7750, 2.0315)] * 5
+YOU = [
+    (4.0848, -6.8946, 2.9270),
+    (3.9505, -6.3029, 2.6377),
+    (3.7418, -5.5913, 2.3037),
+    (2.8769, -3.1427, 1.2046),
+    (2.8366, -3.0525, 1.2012),
+]
+POLAR_EXPRESS = [
+    (8.156554524902461, -22.48329292557795, 15.878769915207462),
+    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+]
+SCHEDULES = {"keller": (KELLER, 1.0), "you": (YOU, 1.0), "polar_express": (POLAR_EXPRESS, 1.02)}
+"""preset name -> (steps, norm factor k in X = U / (k ||U||_F + eps))."""
 F64 = torch.float64
 
 
