@@ -118,14 +118,12 @@ class HybridMuon(Optimizer):
         self.strategy: Strategy = strategy or select_strategy(all_params, process_group=process_group)
 
     def set_strategy(self, strategy: Strategy) -> None:
-        """Replace the distribution strategy, before the first step.
+        """Replace the distribution strategy (before training, or right after loading a checkpoint).
 
         For engines that rewrite the param groups after the optimizer is built (DeepSpeed ZeRO
         hands ``step()`` flat partitions): :mod:`muonkit.integrations.deepspeed` calls this once
-        the engine exists. Raises if any state exists, since states follow the strategy's layout.
+        the engine exists. Existing states must already be laid out as ``strategy.local`` expects.
         """
-        if any(self.state.values()):
-            raise RuntimeError("set_strategy must be called before the first step (optimizer state exists)")
         self.strategy = strategy
 
     # ------------------------------------------------------------------ groups
