@@ -5,22 +5,94 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable
+from typing import Any
 
+import torch.distributed as dist
 from torch import Tensor
 
 from muonkit.distributed.base import Strategy, StrategyStats
+from muonkit.distributed.replicated import ReplicatedStrategy
 from muonkit.distributed.single import SingleDeviceStrategy
 
-__all__ = ["SingleDeviceStrategy", "Strategy", "StrategyStats", "select_strategy"]
+__all__ = [
+    "DTensorStrategy",
+    "ReplicatedStrategy",
+    "SingleDeviceStrategy",
+    "Strategy",
+    "StrategyStats",
+    "select_strategy",
+]
 
 
-def select_strategy(params: Iterable[Tensor], *, process_group: object | None = None) -> Strategy:
+def select_strategy(params: Iterable[Tensor], *, process_group: Any | None = None) -> Strategy:
     """Pick the strategy for these params.
 
-    Single device unless the params are DTensors (FSDP2) or ``process_group`` is given (DDP).
+    ============================================  =========================================
+    params / arguments                            strategy
+    ============================================  =========================================
+    DTensors (FSDP2 ``fully_shard``)              :class:`DTensorStrategy` on their mesh
+    plain tensors, ``process_group=`` given       :class:`ReplicatedStrategy` (DDP)
+    (a ProcessGroup or a 1-D DeviceMesh)
+    plain tensors, torch.distributed not          :class:`SingleDeviceStrategy`
+    initialized or world size 1
+    plain tensors, world size > 1, no group       ``ValueError``: say which you mean
+    ============================================  =========================================
+
+    To run an independent single-device optimizer on each rank (no communication, e.g. each
+    rank trains its own model), pass ``strategy=muonkit.distributed.SingleDeviceStrategy()`` to
+    the optimizer instead.
     """
-    del params
+    params = list(params)
+    dtensors = _dtensors(params)
+    if dtensors:
+        return _dtensor_strategy(params, dtensors, process_group)
     if process_group is not None:
-        raise NotImplementedError("process_group= (DDP) is not supported yet")
+        return ReplicatedStrategy(process_group)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise ValueError(
+            f"torch.distributed is initialized with world size {dist.get_world_size()} and the params are plain "
+            "tensors, so HybridMuon cannot tell how they are shared. Pass process_group=torch.distributed.group.WORLD "
+            "(or the group DistributedDataParallel averages gradients over) if the model is wrapped in DDP: each "
+            "matrix is then orthogonalized once across ranks. Pass strategy=muonkit.distributed.SingleDeviceStrategy() "
+            "to run an independent single-device optimizer on each rank. (FSDP2 fully_shard params are DTensors and "
+            "need neither.)"
+        )
     return SingleDeviceStrategy()
+
+
+def _dtensors(params: list[Tensor]) -> list[Tensor]:
+    module = sys.modules.get("torch.distributed.tensor")  # not imported: no DTensor can exist (saves ~1 s)
+    if module is None:
+        return []
+    return [p for p in params if isinstance(p, module.DTensor)]
+
+
+def _dtensor_strategy(params: list[Tensor], dtensors: list[Any], process_group: Any | None) -> Strategy:
+    from muonkit.distributed.collectives import group_of
+    from muonkit.distributed.dtensor import DTensorStrategy
+
+    if len(dtensors) != len(params):
+        raise ValueError(
+            f"HybridMuon got {len(dtensors)} DTensor params (FSDP2) and {len(params) - len(dtensors)} plain tensors: "
+            "apply fully_shard so that every parameter is sharded (shard the root module too: fully_shard(model)), "
+            "or give the plain tensors to a separate optimizer"
+        )
+    meshes = {p.device_mesh for p in dtensors}
+    if len(meshes) > 1:
+        raise ValueError(f"HybridMuon got DTensor params on {len(meshes)} different device meshes; use one mesh")
+    mesh = meshes.pop()
+    if process_group is not None and mesh.ndim == 1 and group_of(process_group) is not mesh.get_group():
+        raise ValueError(
+            "process_group= differs from the device mesh of the DTensor params; leave process_group=None with FSDP2"
+        )
+    return DTensorStrategy(mesh)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "DTensorStrategy":  # imported lazily: torch.distributed.tensor takes ~1 s to import
+        from muonkit.distributed.dtensor import DTensorStrategy
+
+        return DTensorStrategy
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,211 @@
+"""Shared pieces of the distributed scenarios: a param zoo with every edge case, grads, comparisons."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+import muonkit
+from muonkit.functional.matrices import MatrixLayout
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    group: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype = torch.float32
+    skip_steps: tuple[int, ...] = ()  # steps on which this param has no gradient (on every rank)
+
+
+# Options of each group: layouts, split_sizes, lr-scale conventions and NS dtypes that change
+# how matrices are cut, scaled and sent.
+GROUPS: dict[str, dict[str, Any]] = {
+    "muon": {"algorithm": "muon", "weight_decay": 0.01},
+    "muon_t": {"algorithm": "muon", "layout": "transposed", "adjust_lr": "match_adamw"},
+    "muon_split": {"algorithm": "muon", "split_sizes": (4, 8), "adjust_lr": "spectral"},
+    "muon_t_split": {"algorithm": "muon", "layout": "transposed", "split_sizes": (4, 8)},
+    "muon_fp32": {"algorithm": "muon", "ns_dtype": torch.float32, "nesterov": False},
+    "adamw": {"algorithm": "adamw", "weight_decay": 0.1},
+}
+
+ZOO: list[ParamSpec] = [
+    ParamSpec("muon", (16, 16)),
+    ParamSpec("muon", (16, 16)),
+    ParamSpec("muon", (16, 16)),  # three of a shape: one batch, uneven owners at W=2
+    ParamSpec("muon", (8, 24)),
+    ParamSpec("muon", (24, 8)),
+    ParamSpec("muon", (7, 5)),  # rows do not divide by 2 or 4
+    ParamSpec("muon", (3, 10)),  # W=4: one rank holds no rows
+    ParamSpec("muon", (1, 6)),  # all rows on one rank
+    ParamSpec("muon", (3, 6, 4)),  # MoE experts; W=4: one rank holds no expert
+    ParamSpec("muon", (5, 4, 6)),
+    ParamSpec("muon", (4, 2, 3, 3)),  # conv, flattened to (4, 18)
+    ParamSpec("muon", (8, 8), skip_steps=(1,)),  # no gradient on step 1
+    ParamSpec("muon", (12, 8), dtype=torch.bfloat16),
+    ParamSpec("muon_t", (6, 10)),  # GPT-2 Conv1D: the matrix is (10, 6)
+    ParamSpec("muon_t", (9, 5)),
+    ParamSpec("muon_split", (12, 6)),  # fused QKV: blocks of 4 and 8 rows
+    ParamSpec("muon_split", (3, 12, 4)),  # experts with split blocks
+    ParamSpec("muon_t_split", (6, 12)),  # transposed and split: blocks along dim 1
+    ParamSpec("muon_fp32", (16, 16)),
+    ParamSpec("muon_fp32", (5, 7)),
+    ParamSpec("adamw", (7,)),
+    ParamSpec("adamw", (3,)),
+    ParamSpec("adamw", (10, 4)),
+    ParamSpec("adamw", (5,), skip_steps=(1,)),
+    ParamSpec("adamw", (2, 3, 4)),
+]
+
+
+def initial(i: int, spec: ParamSpec) -> Tensor:
+    g = torch.Generator().manual_seed(10_000 + i)
+    return (torch.randn(spec.shape, generator=g) * 0.5).to(spec.dtype)
+
+
+def gradient(i: int, spec: ParamSpec, step: int) -> Tensor | None:
+    """The global (already averaged) gradient of param i at a step: the same on every rank."""
+    if step in spec.skip_steps:
+        return None
+    g = torch.Generator().manual_seed(1000 * step + i)
+    scale = 10.0 ** ((i % 5) - 2)  # magnitudes from 1e-2 to 1e2
+    return (torch.randn(spec.shape, generator=g) * scale).to(spec.dtype)
+
+
+def group_dicts(params: Sequence[Tensor], zoo: Sequence[ParamSpec]) -> list[dict[str, Any]]:
+    groups: dict[str, list[Tensor]] = {}
+    for p, spec in zip(params, zoo, strict=True):
+        groups.setdefault(spec.group, []).append(p)
+    return [{"params": ps, **GROUPS[name]} for name, ps in groups.items()]
+
+
+def matrix_count(zoo: Sequence[ParamSpec], step: int) -> int:
+    """How many matrices a step orthogonalizes (over all ranks): each expert and each split block counts."""
+    total = 0
+    for spec in zoo:
+        options = GROUPS[spec.group]
+        if options["algorithm"] != "muon" or step in spec.skip_steps:
+            continue
+        layout = MatrixLayout(options.get("layout", "auto"), options.get("split_sizes"))
+        total += sum(b.count for b in layout.blocks(spec.shape))
+    return total
+
+
+def mesh() -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (dist.get_world_size(),))
+
+
+def shard(t: Tensor, device_mesh: Any) -> Tensor:
+    """The DTensor Shard(0) of a tensor every rank holds whole (no communication)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    return distribute_tensor(t, device_mesh, [Shard(0)], src_data_rank=None)
+
+
+def full(t: Tensor) -> Tensor:
+    """The whole tensor (all-gathers a DTensor; every rank must call this in the same order)."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def build(layout: str, zoo: Sequence[ParamSpec], **kwargs: Any) -> tuple[list[nn.Parameter], muonkit.HybridMuon]:
+    """Params and optimizer: 'single' (no communication), 'ddp' (replicated) or 'fsdp' (DTensor)."""
+    device_mesh = mesh() if layout == "fsdp" else None
+    params = []
+    for i, spec in enumerate(zoo):
+        t = initial(i, spec)
+        params.append(nn.Parameter(shard(t, device_mesh) if device_mesh is not None else t))
+    if layout == "single":
+        kwargs.setdefault("strategy", muonkit.distributed.SingleDeviceStrategy())
+    elif layout == "ddp":
+        kwargs.setdefault("process_group", dist.group.WORLD)
+    return params, muonkit.HybridMuon(group_dicts(params, zoo), **kwargs)
+
+
+def set_grads(params: Sequence[nn.Parameter], zoo: Sequence[ParamSpec], step: int) -> None:
+    for i, (p, spec) in enumerate(zip(params, zoo, strict=True)):
+        g = gradient(i, spec, step)
+        if g is None:
+            p.grad = None
+        elif hasattr(p, "device_mesh"):
+            p.grad = shard(g, p.device_mesh)
+        else:
+            p.grad = g
+
+
+def differences(
+    params: Sequence[Tensor], opt: torch.optim.Optimizer, ref_params: Sequence[Tensor], ref_opt: torch.optim.Optimizer
+) -> list[str]:
+    """Every param and state tensor that is not bit-identical to the reference, with its max error."""
+    problems = []
+    for i, (p, r) in enumerate(zip(params, ref_params, strict=True)):
+        pairs = [("param", full(p.detach()), r.detach())]
+        for key, value in ref_opt.state[r].items():
+            mine = opt.state[p].get(key)
+            pairs.append((key, full(mine) if isinstance(mine, Tensor) else mine, value))
+        for what, a, b in pairs:
+            if not isinstance(a, Tensor) or a.shape != b.shape or a.dtype != b.dtype:
+                problems.append(f"param {i} {what}: {a!r:.80} vs {b!r:.80}")
+            elif not torch.equal(a, b):
+                err = (a.double() - b.double()).abs().max().item()
+                problems.append(f"param {i} {tuple(a.shape)} {what}: max |diff| {err:.3e}")
+    return problems
+
+
+def all_sum(value: int) -> int:
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t)
+    return int(t.item())
+
+
+class ZooModule(nn.Module):
+    """A module that only holds the zoo's params (gradients are injected, never computed)."""
+
+    def __init__(self, zoo: Sequence[ParamSpec], *, seed_offset: int = 0) -> None:
+        super().__init__()
+        self.params = nn.ParameterList([nn.Parameter(initial(i + seed_offset, s)) for i, s in enumerate(zoo)])
+
+
+def build_module(layout: str, zoo: Sequence[ParamSpec], *, seed_offset: int = 0) -> tuple[nn.Module, nn.Module]:
+    """(what the user checkpoints, the module holding the params): DDP-wrapped, fully_shard-ed or plain."""
+    module = ZooModule(zoo, seed_offset=seed_offset)
+    if layout == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(module), module
+    if layout == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(module)
+    return module, module
+
+
+def snapshot(params: Sequence[Tensor], opt: torch.optim.Optimizer) -> list[dict[str, Tensor]]:
+    """Whole params and states (collective for DTensors)."""
+    out = []
+    for p in params:
+        entry = {"param": full(p.detach())}
+        for key, value in sorted(opt.state[p].items()):
+            entry[key] = full(value)
+        out.append(entry)
+    return out
+
+
+def differences_to(mine: list[dict[str, Tensor]], expected: list[dict[str, Tensor]]) -> list[str]:
+    problems = []
+    for i, (a, b) in enumerate(zip(mine, expected, strict=True)):
+        if sorted(a) != sorted(b):
+            problems.append(f"param {i}: keys {sorted(a)} vs {sorted(b)}")
+            continue
+        for key in b:
+            x, y = a[key], b[key]
+            if x.shape != y.shape or x.dtype != y.dtype:
+                problems.append(f"param {i} {key}: {x.shape} {x.dtype} vs {y.shape} {y.dtype}")
+            elif not torch.equal(x, y):
+                problems.append(f"param {i} {key}: max |diff| {(x.double() - y.double()).abs().max().item():.3e}")
+    return problems

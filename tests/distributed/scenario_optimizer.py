@@ -1,0 +1,146 @@
+"""HybridMuon under DDP (replicated) and FSDP2 (DTensor) against one device, on injected gradients.
+
+Every rank is given the same global gradient (as DDP's all-reduce or FSDP2's reduce-scatter
+would leave it), so the distributed optimizer and the single-device one see identical inputs.
+Tolerance: none. Each rank does the same elementwise fp32 arithmetic on its slice as the single
+device does on the whole tensor, each matrix is orthogonalized from the same fp32 input, results
+travel in the dtype they were computed in, and the shape scale is applied after the transfer as
+on one device. The only difference is which matrices share a batched matmul call, and batched
+CPU matmul computes every matrix of a batch independently, so we expect, and check, bit
+equality.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from common import ZOO, ParamSpec, all_sum, build, differences, matrix_count, mesh, set_grads, shard
+from harness import Context, check
+from torch import nn
+
+import muonkit
+from muonkit.distributed import DTensorStrategy, ReplicatedStrategy, SingleDeviceStrategy, select_strategy
+
+STEPS = 4
+INF_STEP = 2  # a non-finite gradient on one rank: every rank must skip the step
+
+
+def _run(layout: str, ctx: Context, zoo: list[ParamSpec]) -> tuple[list[str], list[int]]:
+    params, opt = build(layout, zoo)
+    ref_params, ref_opt = build("single", zoo)
+    counted = []
+    for step in range(STEPS):
+        set_grads(params, zoo, step)
+        set_grads(ref_params, zoo, step)
+        if step == INF_STEP:
+            _poison(params[5], ctx)
+            _poison(ref_params[5], ctx, everywhere=True)
+        before = opt.strategy.stats.matrices
+        opt.step()
+        ref_opt.step()
+        counted.append(all_sum(opt.strategy.stats.matrices - before))
+    assert opt.skipped_steps == ref_opt.skipped_steps == 1, (opt.skipped_steps, ref_opt.skipped_steps)
+    return differences(params, opt, ref_params, ref_opt), counted
+
+
+def _poison(p: nn.Parameter, ctx: Context, *, everywhere: bool = False) -> None:
+    """inf in the last row: only the last rank's copy (DDP) or the rank holding that row (FSDP2)."""
+    grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+    if (
+        everywhere
+        or (ctx.rank == ctx.world_size - 1 and not hasattr(p.grad, "to_local"))
+        or (hasattr(p.grad, "to_local") and grad.size(0) > 0 and sum_rows_before(p, ctx) + grad.size(0) == p.shape[0])
+    ):
+        grad[-1, 0] = float("inf")
+
+
+def sum_rows_before(p: nn.Parameter, ctx: Context) -> int:
+    from muonkit.distributed.dtensor import dim0_sizes
+
+    return sum(dim0_sizes(p.shape[0], ctx.world_size)[: ctx.rank])
+
+
+@check(2, 4)
+def ddp_matches_single_device(ctx: Context) -> None:
+    problems, counted = _run("ddp", ctx, ZOO)
+    assert not problems, "\n".join(problems)
+    expected = [0 if s == INF_STEP else matrix_count(ZOO, s) for s in range(STEPS)]
+    assert counted == expected, f"matrices orthogonalized per step over all ranks {counted}, expected {expected}"
+
+
+@check(2, 4)
+def fsdp2_matches_single_device(ctx: Context) -> None:
+    problems, counted = _run("fsdp", ctx, ZOO)
+    assert not problems, "\n".join(problems)
+    expected = [0 if s == INF_STEP else matrix_count(ZOO, s) for s in range(STEPS)]
+    assert counted == expected, f"matrices orthogonalized per step over all ranks {counted}, expected {expected}"
+
+
+@check(2, 4)
+def work_is_spread_and_counted(ctx: Context) -> None:
+    for layout in ("ddp", "fsdp"):
+        params, opt = build(layout, ZOO)
+        set_grads(params, ZOO, 0)
+        opt.step()
+        stats = opt.strategy.stats
+        assert stats.matrices > 0, f"{layout}: rank {ctx.rank} orthogonalized nothing though there are many matrices"
+        assert stats.bytes_sent > 0 and stats.collectives > 0, f"{layout}: {stats}"
+        total = all_sum(stats.flops)
+        assert stats.flops <= 0.75 * total, f"{layout}: rank {ctx.rank} did {stats.flops} of {total} FLOPs"
+
+
+@check(2, 4)
+def a_rank_that_owns_no_matrix(ctx: Context) -> None:
+    zoo = [ParamSpec("muon", (2, 8)), ParamSpec("adamw", (2,)), ParamSpec("adamw", (6, 3))]
+    for layout in ("ddp", "fsdp"):
+        params, opt = build(layout, zoo)
+        ref_params, ref_opt = build("single", zoo)
+        for step in range(3):
+            set_grads(params, zoo, step)
+            set_grads(ref_params, zoo, step)
+            opt.step()
+            ref_opt.step()
+        problems = differences(params, opt, ref_params, ref_opt)
+        assert not problems, f"{layout}: " + "\n".join(problems)
+        owners = all_sum(int(opt.strategy.stats.matrices > 0))
+        assert owners == 1, f"{layout}: {owners} ranks orthogonalized the single matrix"
+        assert all_sum(opt.strategy.stats.matrices) == 3, f"{layout}: one matrix, three steps"
+
+
+@check(2, 4)
+def ranks_disagreeing_on_grads_raise_everywhere(ctx: Context) -> None:
+    for layout in ("ddp", "fsdp"):
+        params, opt = build(layout, ZOO)
+        set_grads(params, ZOO, 0)
+        if ctx.rank == 0:
+            params[3].grad = None
+        try:
+            opt.step()
+        except RuntimeError as e:
+            assert "Ranks disagree on which params have gradients at positions [3]" in str(e), str(e)
+        else:
+            raise AssertionError(f"{layout}: no error on rank {ctx.rank}")
+
+
+@check(2)
+def strategy_selection(ctx: Context) -> None:
+    plain = [nn.Parameter(torch.randn(4, 4))]
+    try:
+        select_strategy(plain)
+    except ValueError as e:
+        assert "process_group=torch.distributed.group.WORLD" in str(e) and "SingleDeviceStrategy()" in str(e), str(e)
+    else:
+        raise AssertionError("plain params at world size 2 without process_group must be refused")
+    assert isinstance(select_strategy(plain, process_group=dist.group.WORLD), ReplicatedStrategy)
+    device_mesh = mesh()
+    assert isinstance(select_strategy(plain, process_group=device_mesh), ReplicatedStrategy)
+    sharded = [nn.Parameter(shard(torch.randn(4, 4), device_mesh))]
+    assert isinstance(select_strategy(sharded), DTensorStrategy)
+    try:
+        select_strategy(sharded + plain)
+    except ValueError as e:
+        assert "1 DTensor params (FSDP2) and 1 plain tensors" in str(e), str(e)
+    else:
+        raise AssertionError("mixed DTensor and plain params must be refused")
+    opt = muonkit.HybridMuon(plain, strategy=SingleDeviceStrategy())  # the explicit opt-out
+    assert isinstance(opt.strategy, SingleDeviceStrategy)
