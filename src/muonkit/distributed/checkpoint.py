@@ -22,7 +22,7 @@ Example::
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -54,7 +54,8 @@ def load_checkpoint(path: str | os.PathLike[str], *, model: nn.Module, optimizer
         set_optimizer_state_dict,
     )
 
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_tree = get_state_dict(model, optimizer)
+    optim_state = cast(dict[str, Any], optim_tree)
     # States the saving run did not have yet (a param that never had a gradient) must stay
     # absent, not zero: an AdamW state with step=1 would change its bias correction.
     saved = set(dcp.FileSystemReader(os.fspath(path)).read_metadata().state_dict_metadata)
