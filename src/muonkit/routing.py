@@ -16,9 +16,11 @@ expert of a fused MoE tensor). Everything else goes to AdamW. The built-in rules
 4     MoE router (``*.gate`` / ``*.router`` / ``*Router``)        adamw
 5     ``nn.Linear`` weight                                        muon       matrix
 6     transformers ``Conv1D`` weight, stored (in, out)            muon       transposed
-7     ``nn.Conv1d/2d/3d`` weight                                  muon       flatten
-8     3D tensor of an experts module (``*Experts`` / ``experts``) muon       experts
-9     anything else (a raw ``nn.Parameter``, positional tables)   adamw
+7     ``nn.MultiheadAttention`` ``in_proj_weight`` (fused QKV)    muon       matrix
+      and ``q/k/v_proj_weight``
+8     ``nn.Conv1d/2d/3d`` weight                                  muon       flatten
+9     3D tensor of an experts module (``*Experts`` / ``experts``) muon       experts
+10    anything else (a raw ``nn.Parameter``, positional tables)   adamw
 ====  =========================================================  =========  ===============
 
 A user rule is ``(pattern, algorithm)`` or a :class:`Rule`; patterns are Python regular
@@ -138,6 +140,11 @@ def _route_one(
         return _matrix_route(name, shape, "matrix", "hidden Linear", leaf, split_qkv, config)
     if cls == "Conv1D" and len(shape) == 2:
         return _matrix_route(name, shape, "transposed", "GPT-2 Conv1D (stored in x out)", leaf, split_qkv, config)
+    if isinstance(module, nn.MultiheadAttention) and len(shape) == 2:
+        # Its projections are raw Parameters of the attention module, not Linear submodules.
+        pname = name.rsplit(".", 1)[-1]
+        fused = "in_proj" if pname == "in_proj_weight" else leaf
+        return _matrix_route(name, shape, "matrix", f"nn.MultiheadAttention {pname}", fused, split_qkv, None)
     if isinstance(module, nn.modules.conv._ConvNd):
         return Route(name, shape, "muon", "conv filter as (out, in*k)", "flatten")
     if len(shape) == 3 and ("Experts" in cls or "experts" in name.split(".")):
