@@ -1,0 +1,301 @@
+"""Routing on tiny randomly initialized Hugging Face models (built from configs, no download) and
+a small conv net: every tensor lands where BRIEF section 2 says, user rules override (first match
+wins), explain() totals match a hand count, and param_groups() trains with HybridMuon.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import muonkit
+from muonkit.routing import Rule
+
+transformers = pytest.importorskip("transformers", reason="the [hf] extra is part of `make test`'s install")
+
+SMALL = {
+    "vocab_size": 97,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
+
+
+class ConvNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.norm = nn.BatchNorm2d(8)
+        self.conv = nn.Conv2d(8, 16, 3, padding=1, bias=False)
+        self.hidden = nn.Linear(16, 32)
+        self.head = nn.Linear(32, 10)
+        self.pos = nn.Parameter(torch.zeros(4, 4))  # a raw 2D table: not a known matrix module
+        self.temperature = nn.Parameter(torch.ones(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.norm(self.stem(x)))
+        x = torch.relu(self.conv(x)) + self.pos.mean()
+        return self.head(torch.relu(self.hidden(x.mean(dim=(2, 3))))) / self.temperature
+
+
+def _build(kind: str) -> nn.Module:
+    t = transformers
+    if kind == "gpt2":
+        cfg = t.GPT2Config(
+            vocab_size=97, n_embd=32, n_layer=1, n_head=4, n_positions=32, bos_token_id=0, eos_token_id=0
+        )
+        return t.GPT2LMHeadModel(cfg)
+    if kind == "llama":
+        return t.LlamaForCausalLM(t.LlamaConfig(**SMALL))
+    if kind == "qwen2":
+        return t.Qwen2ForCausalLM(t.Qwen2Config(**SMALL, tie_word_embeddings=True))
+    if kind == "mixtral":
+        return t.MixtralForCausalLM(t.MixtralConfig(**SMALL, num_local_experts=4, num_experts_per_tok=2))
+    if kind == "qwen3_moe":
+        cfg = t.Qwen3MoeConfig(**SMALL, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, head_dim=8)
+        return t.Qwen3MoeForCausalLM(cfg)
+    if kind == "bert":
+        cfg = t.BertConfig(vocab_size=97, hidden_size=32, num_hidden_layers=1, num_attention_heads=4)
+        return t.BertForSequenceClassification(
+            cfg.__class__(**{**cfg.to_dict(), "intermediate_size": 64, "num_labels": 3})
+        )
+    if kind == "torch_transformer":
+        layer = nn.TransformerEncoderLayer(32, 4, 64, batch_first=True)
+        return nn.Sequential(nn.Embedding(97, 32), nn.TransformerEncoder(layer, 1), nn.Linear(32, 5))
+    assert kind == "convnet"
+    return ConvNet()
+
+
+# BRIEF section 2, written as (pattern, algorithm, layout) per model; first match wins.
+ADAMW = ("adamw", "auto")
+EXPECTED: dict[str, list[tuple[str, tuple[str, str]]]] = {
+    "gpt2": [
+        (r"\.(wte|wpe)\.weight$", ADAMW),  # embeddings (wte is also the tied LM head)
+        (r"\.(c_attn|c_proj|c_fc)\.weight$", ("muon", "transposed")),  # Conv1D stored (in, out)
+        (r"(ln_\d|ln_f)\.|\.bias$", ADAMW),
+    ],
+    "llama": [
+        (r"embed_tokens|lm_head|norm\.weight$", ADAMW),
+        (r"(q|k|v|o|gate|up|down)_proj\.weight$", ("muon", "matrix")),
+    ],
+    "qwen2": [
+        (r"embed_tokens|norm\.weight$|\.bias$", ADAMW),
+        (r"(q|k|v|o|gate|up|down)_proj\.weight$", ("muon", "matrix")),
+    ],
+    "mixtral": [
+        (r"embed_tokens|lm_head|norm\.weight$", ADAMW),
+        (r"\.mlp\.gate\.weight$", ADAMW),  # the MoE router
+        (r"\.experts\.(gate_up_proj|down_proj)$", ("muon", "experts")),  # 3D: one matrix per expert
+        (r"(q|k|v|o)_proj\.weight$", ("muon", "matrix")),
+    ],
+    "qwen3_moe": [
+        (r"embed_tokens|lm_head|norm\.weight$", ADAMW),
+        (r"\.mlp\.gate\.weight$", ADAMW),
+        (r"\.experts\.(gate_up_proj|down_proj)$", ("muon", "experts")),
+        (r"(q|k|v|o)_proj\.weight$", ("muon", "matrix")),
+    ],
+    "bert": [
+        (r"embeddings\.|LayerNorm|\.bias$|^classifier\.", ADAMW),
+        (r"(query|key|value|dense)\.weight$", ("muon", "matrix")),
+    ],
+    "torch_transformer": [  # nn.MultiheadAttention keeps its QKV projection as a raw Parameter
+        (r"^0\.weight$|bias$|norm\d\.", ADAMW),
+        (r"self_attn\.in_proj_weight$|out_proj\.weight$|linear\d\.weight$", ("muon", "matrix")),
+        (r"^2\.weight$", ("muon", "matrix")),  # an unnamed last Linear is not known to be a head: use rules=
+    ],
+    "convnet": [
+        (r"^(stem|conv)\.weight$", ("muon", "flatten")),
+        (r"^hidden\.weight$", ("muon", "matrix")),
+        (r"\.bias$|^(norm|head)\.|^(pos|temperature)$", ADAMW),
+    ],
+}
+KINDS = list(EXPECTED)
+
+
+@pytest.fixture(scope="module")
+def models() -> dict[str, nn.Module]:
+    torch.manual_seed(0)
+    return {kind: _build(kind) for kind in KINDS}
+
+
+def _expected(kind: str, name: str) -> tuple[str, str]:
+    for pattern, where in EXPECTED[kind]:
+        if re.search(pattern, name):
+            return where
+    raise AssertionError(f"no expectation for {kind}:{name}")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_tensor_lands_where_the_brief_says(models: dict[str, nn.Module], kind: str) -> None:
+    model = models[kind]
+    routes = muonkit.explain(model).routes
+    assert [r.name for r in routes] == [n for n, _ in model.named_parameters()]
+    for r in routes:
+        assert (r.algorithm, r.layout) == _expected(kind, r.name), (r.name, r.reason)
+        assert r.reason
+
+
+def test_tied_head_is_one_adamw_tensor(models: dict[str, nn.Module]) -> None:
+    for kind in ("gpt2", "qwen2"):
+        model = models[kind]
+        head = model.get_output_embeddings().weight
+        assert head is model.get_input_embeddings().weight
+        groups = muonkit.param_groups(model)
+        hits = [g["algorithm"] for g in groups for p in g["params"] if p is head]
+        assert hits == ["adamw"]
+        route = next(r for r in muonkit.explain(model).routes if r.name.endswith(("wte.weight", "embed_tokens.weight")))
+        assert "tied" in route.reason
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_param_groups_cover_every_param_once(models: dict[str, nn.Module], kind: str) -> None:
+    model = models[kind]
+    groups = muonkit.param_groups(model, lr=0.01, adamw_lr=1e-3, weight_decay=0.1, adamw_weight_decay=0.01)
+    ids = [id(p) for g in groups for p in g["params"]]
+    assert sorted(ids) == sorted(id(p) for p in model.parameters())
+    for g in groups:
+        assert len(g["param_names"]) == len(g["params"])
+        if g["algorithm"] == "muon":
+            assert (g["lr"], g["weight_decay"]) == (0.01, 0.1)
+        else:
+            assert (g["lr"], g["weight_decay"]) == (1e-3, 0.01)
+
+
+def _batch(kind: str) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    g = torch.Generator().manual_seed(0)
+    if kind == "convnet":
+        return (torch.randn(2, 3, 8, 8, generator=g),), {}
+    if kind == "torch_transformer":
+        return (torch.randint(0, 97, (2, 8), generator=g),), {}
+    ids = torch.randint(0, 97, (2, 8), generator=g)
+    if kind == "bert":
+        return (), {"input_ids": ids, "labels": torch.tensor([0, 2])}
+    return (), {"input_ids": ids, "labels": ids}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_param_groups_train_with_hybrid_muon(models: dict[str, nn.Module], kind: str) -> None:
+    model = models[kind]
+    opt = muonkit.HybridMuon(muonkit.param_groups(model))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    args, kwargs = _batch(kind)
+    out = model(*args, **kwargs)
+    loss = out.pow(2).mean() if isinstance(out, torch.Tensor) else out.loss
+    assert torch.isfinite(loss)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    moved = [n for n, p in model.named_parameters() if not torch.equal(before[n], p.detach())]
+    with_grad = [n for n, p in model.named_parameters() if opt.state[p]]
+    assert moved and set(moved) <= set(with_grad)
+    for group in opt.param_groups:
+        for p in group["params"]:
+            if opt.state[p]:
+                key = "momentum_buffer" if group["algorithm"] == "muon" else "exp_avg"
+                assert opt.state[p][key].dtype == torch.float32
+
+
+def test_split_qkv_uses_the_head_counts(models: dict[str, nn.Module]) -> None:
+    groups = muonkit.param_groups(models["gpt2"], split_qkv=True)
+    split = [g for g in groups if g.get("split_sizes")]
+    assert len(split) == 1
+    assert split[0]["param_names"] == ["transformer.h.0.attn.c_attn.weight"]
+    assert split[0]["split_sizes"] == (32, 32, 32) and split[0]["layout"] == "transposed"
+    muonkit.HybridMuon(groups)  # the split fits the tensor: validation passes
+
+
+def test_split_qkv_of_torch_multihead_attention(models: dict[str, nn.Module]) -> None:
+    routes = {r.name: r for r in muonkit.explain(models["torch_transformer"], split_qkv=True).routes}
+    assert routes["1.layers.0.self_attn.in_proj_weight"].split_sizes == (32, 32, 32)
+
+
+def test_qkv_split_sizes_for_grouped_query_attention() -> None:
+    from muonkit.routing import qkv_split_sizes
+
+    cfg = transformers.LlamaConfig(**SMALL)  # 4 heads of 8, 2 KV heads
+    assert qkv_split_sizes(32 + 2 * 16, cfg) == (32, 16, 16)
+    assert qkv_split_sizes(96) == (32, 32, 32)
+    assert qkv_split_sizes(10) is None
+
+
+def test_user_rules_override_first_match_wins(models: dict[str, nn.Module]) -> None:
+    model = models["llama"]
+    rules = [
+        ("lm_head", "muon"),
+        (r"\.mlp\.", "adamw"),
+        (r"down_proj", "muon"),  # never reached for mlp.down_proj: the rule above matched first
+        Rule(r"q_proj", "muon", split_sizes=(16, 16), reason="per-head-pair blocks"),
+    ]
+    routes = {r.name: r for r in muonkit.explain(model, rules=rules).routes}
+    assert routes["lm_head.weight"].algorithm == "muon"
+    assert routes["lm_head.weight"].reason == "rule 'lm_head'"
+    assert routes["model.layers.0.mlp.down_proj.weight"].algorithm == "adamw"
+    assert routes["model.layers.0.mlp.up_proj.weight"].reason == r"rule '\\.mlp\\.'"
+    q = routes["model.layers.0.self_attn.q_proj.weight"]
+    assert (q.algorithm, q.split_sizes, q.reason) == ("muon", (16, 16), "per-head-pair blocks")
+    assert routes["model.layers.0.self_attn.k_proj.weight"].reason == "hidden Linear"  # built-in rules still apply
+    as_dict = {r.name: r.algorithm for r in muonkit.explain(model, rules={"lm_head": "muon"}).routes}
+    assert as_dict["lm_head.weight"] == "muon"
+    opt = muonkit.HybridMuon(muonkit.param_groups(model, rules=rules))
+    assert {g["algorithm"] for g in opt.param_groups} == {"muon", "adamw"}
+
+
+@pytest.mark.parametrize(
+    ("rule", "message"),
+    [
+        (("x", "sgd"), "Invalid algorithm='sgd' in rule 'x': must be one of ('muon', 'adamw')"),
+        (("(", "muon"), "Invalid rule pattern '(': "),
+        ("lm_head", "Invalid rule 'lm_head': must be a muonkit.Rule or a (pattern, algorithm) pair"),
+    ],
+)
+def test_bad_rules_raise(models: dict[str, nn.Module], rule: Any, message: str) -> None:
+    with pytest.raises(ValueError, match="^" + re.escape(message)):
+        muonkit.explain(models["llama"], rules=[rule])
+
+
+def test_bad_rule_layout_raises() -> None:
+    with pytest.raises(ValueError, match=r"^Invalid layout='diag' in rule 'w': must be one of \('auto', "):
+        Rule("w", "muon", layout="diag")
+
+
+def test_frozen_params_are_left_out(models: dict[str, nn.Module]) -> None:
+    model = _build("llama")
+    model.model.embed_tokens.weight.requires_grad_(False)
+    names = [n for g in muonkit.param_groups(model) for n in g["param_names"]]
+    assert "model.embed_tokens.weight" not in names and len(names) == len(list(model.parameters())) - 1
+
+
+def test_explain_totals_match_a_hand_count(models: dict[str, nn.Module]) -> None:
+    """Llama, hidden 32, 4 heads of 8, 2 KV heads, intermediate 64, vocab 97, 1 layer, untied."""
+    q = o = 32 * 32
+    k = v = 16 * 32
+    gate = up = down = 64 * 32
+    muon = q + k + v + o + gate + up + down  # 9216
+    adamw = 97 * 32 * 2 + 3 * 32  # embedding + lm_head + 3 RMSNorm gains = 6304
+    report = muonkit.explain(models["llama"])
+    assert (report.params("muon"), report.params("adamw"), report.total_params) == (muon, adamw, muon + adamw)
+    assert report.muon_fraction == pytest.approx(muon / (muon + adamw))
+    assert report.hybrid_state_bytes == 4 * muon + 8 * adamw
+    assert report.adamw_state_bytes == 8 * (muon + adamw)
+    data = report.to_dict()
+    assert data["params"] == {"muon": muon, "adamw": adamw, "total": muon + adamw}
+    assert data["state_bytes"] == {"hybrid_muon": 4 * muon + 8 * adamw, "adamw": 8 * (muon + adamw)}
+    text = str(report)
+    assert text.splitlines()[0].split() == ["name", "shape", "algorithm", "reason"]
+    assert "model.layers.0.mlp.down_proj.weight" in text and f"{muon:,}" in text and f"{adamw:,}" in text
+    assert f"Muon fraction f:          {muon / (muon + adamw):.3f}" in text
+
+
+def test_explain_on_the_meta_device() -> None:
+    """No memory, no weights: what `muonkit inspect` uses for large configs."""
+    with torch.device("meta"):
+        model = transformers.MixtralForCausalLM(transformers.MixtralConfig(**SMALL, num_local_experts=8))
+    report = muonkit.explain(model)
+    experts = [r for r in report.routes if r.layout == "experts"]
+    assert len(experts) == 2 and all(r.shape[0] == 8 for r in experts)
