@@ -95,6 +95,8 @@ def _muon_config(g: Mapping[str, Any]) -> MuonConfig:
     if layout not in LAYOUT_KINDS:
         raise ValueError(f"Invalid layout={layout!r}: must be one of {LAYOUT_KINDS}")
     split = g["split_sizes"]
+    if split is not None and (isinstance(split, str) or not isinstance(split, Sequence)):
+        raise ValueError(f"Invalid split_sizes={split!r}: must be None or a non-empty sequence of positive row counts")
     split_sizes = None if split is None else tuple(_positive_int("split_sizes", s) for s in split)
     ns_dtype = g["ns_dtype"]
     if ns_dtype not in (None, torch.float32, torch.bfloat16, torch.float16, torch.float64):

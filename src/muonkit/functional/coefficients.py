@@ -30,6 +30,7 @@ torch.optim.Muon's bf16 path gives 0.51 on the same input).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -124,15 +125,20 @@ def resolve_preset(
 
 def as_schedule(coefficients: Sequence[Sequence[float]] | Sequence[float]) -> tuple[Coefficients, ...]:
     """An explicit schedule as a tuple of float triples (a flat triple is one step)."""
+    bad_step = f"Invalid ns_coefficients={coefficients!r}: each step must be an (a, b, c) triple of finite floats"
+    if not isinstance(coefficients, Sequence):
+        raise ValueError(
+            f"Invalid ns_coefficients={coefficients!r}: must be one of {sorted(PRESETS)} or a sequence of (a, b, c) tuples"
+        )
     items: list[Any] = list(coefficients)
     if len(items) == 3 and all(isinstance(v, (int, float)) for v in items):
         items = [items]  # a flat (a, b, c) triple
     schedule: list[Coefficients] = []
     for item in items:
         if not isinstance(item, Sequence) or isinstance(item, str) or len(item) != 3:
-            raise ValueError(
-                f"Invalid ns_coefficients={coefficients!r}: each step must be an (a, b, c) triple of floats"
-            )
+            raise ValueError(bad_step)
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in item):
+            raise ValueError(bad_step)
         a, b, c = (float(v) for v in item)
         schedule.append((a, b, c))
     if not schedule:
