@@ -132,7 +132,10 @@ class HybridMuon(Optimizer):
         """Add a group; it is validated completely before anything changes."""
         group = dict(param_group)
         params = group["params"]
+        if isinstance(params, set):
+            raise TypeError("Invalid params: a set has no stable order (state_dict would mismatch); use a list")
         params = [params] if isinstance(params, Tensor) else list(params)
+        group["params"] = params  # a generator is consumed here: hand torch the list
         if "algorithm" not in group or group["algorithm"] is None:
             group["algorithm"] = _default_algorithm(params, len(self.param_groups))
         if group["algorithm"] == "adamw":
