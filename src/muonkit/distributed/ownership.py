@@ -8,7 +8,7 @@ with the least load so far. Its makespan is at most ``4/3 - 1/(3W)`` times the o
 Example::
 
     >>> assign_owners([9.0, 4.0, 4.0, 1.0], world_size=2)
-    [0, 1, 1, 0]
+    [0, 1, 1, 1]
 """
 
 from __future__ import annotations

@@ -10,8 +10,9 @@ FSDP2 and ZeRO are the layouts that shard state.)
 Orthogonalization is the expensive part, and each matrix needs it only once:
 
 1. every matrix (each expert of a 3D tensor, each ``split_sizes`` block) is a job costing its
-   Newton-Schulz FLOPs; :func:`assign_owners` spreads the jobs over ranks, largest first, the
-   same way on every rank (no communication);
+   Newton-Schulz FLOPs. Each rank owns ``n // W`` of the ``n`` matrices of every shape, and the
+   remainders are spread by :func:`assign_owners` (largest first, to the least-loaded rank).
+   Every rank computes the same assignment from the shapes alone (no communication);
 2. for each matrix shape, largest total cost first, a rank orthogonalizes the matrices it owns
    in one batched call and starts an asynchronous all-gather of the results, then moves on to
    the next shape while that transfer runs;
