@@ -157,6 +157,9 @@ class HybridMuon(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         configs = [group_config(g, i) for i, g in enumerate(self.param_groups)]
+        for i, (config, group) in enumerate(zip(configs, self.param_groups, strict=True)):
+            if isinstance(config, MuonConfig):
+                _check_ns_dtype(config, group["params"], i)
         work = [self._params_with_grad(g) for g in self.param_groups]
         self.strategy.check_participation([p.grad is not None for g in self.param_groups for p in g["params"]])
         if not self._grads_ok([p for ps in work for p in ps]):
@@ -303,7 +306,17 @@ def _check_muon_params(params: list[Tensor], group: Mapping[str, Any], index: in
         try:
             config.layout.blocks(shape)
         except ValueError as e:
-            raise ValueError(f"{e} (param group {index})") from None
+            raise ValueError(f"{e} in param group {index}") from None
+    _check_ns_dtype(config, params, index)
+
+
+def _check_ns_dtype(config: MuonConfig, params: Sequence[Tensor], index: int) -> None:
+    """fp16 on a CPU is a user error; catch it here, not halfway through a step."""
+    if config.ns_dtype == torch.float16 and any(p.device.type == "cpu" for p in params):
+        raise ValueError(
+            f"Invalid ns_dtype=torch.float16 in param group {index}: fp16 matmul is ~1000x slower on CPU; "
+            "use torch.bfloat16 or torch.float32"
+        )
 
 
 def _check_param_state(state: Mapping[str, Any] | None, p: Tensor, algorithm: str, group: int, index: int) -> None:

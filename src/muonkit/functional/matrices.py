@@ -62,7 +62,7 @@ class MatrixLayout:
             raise ValueError(f"Muon needs tensors with >= 2 dims, got ndim={ndim}")
         if self.kind != "auto":
             if self.kind in ("matrix", "transposed") and ndim != 2:
-                raise ValueError(f"layout={self.kind!r} needs a 2D tensor, got ndim={ndim}")
+                raise ValueError(f"Invalid layout={self.kind!r} for a tensor with ndim={ndim}: it needs a 2D tensor")
             return self.kind
         return "matrix" if ndim == 2 else "experts" if ndim == 3 else "flatten"
 
