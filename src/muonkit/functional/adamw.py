@@ -11,8 +11,6 @@ updated through an fp32 copy so small steps and decays are not rounded away befo
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
@@ -41,24 +39,15 @@ def adamw_(
     torch._foreach_lerp_(exp_avgs, g32, 1.0 - beta1)
     torch._foreach_mul_(exp_avg_sqs, beta2)
     torch._foreach_addcmul_(exp_avg_sqs, g32, g32, 1.0 - beta2)
-    for group in _by_step(steps):
-        t = group[0][0]
-        bias1 = 1.0 - beta1**t
-        bias2_sqrt = math.sqrt(1.0 - beta2**t)
-        idx = [i for _, i in group]
-        denom = torch._foreach_sqrt([exp_avg_sqs[i] for i in idx])
-        torch._foreach_div_(denom, bias2_sqrt)
-        torch._foreach_add_(denom, eps)
-        torch._foreach_addcdiv_([work[i] for i in idx], [exp_avgs[i] for i in idx], denom, -lr / bias1)
+    # Per-param bias corrections as scalar lists (params added later have fewer steps), as in
+    # torch.optim.AdamW's foreach path; steps live on the CPU, so reading them costs no sync.
+    ts = [s.item() for s in steps]
+    step_sizes = [-lr / (1.0 - beta1**t) for t in ts]
+    bias2_sqrts = [(1.0 - beta2**t) ** 0.5 for t in ts]
+    denom = torch._foreach_sqrt(exp_avg_sqs)
+    torch._foreach_div_(denom, bias2_sqrts)
+    torch._foreach_add_(denom, eps)
+    torch._foreach_addcdiv_(work, exp_avgs, denom, step_sizes)
     for p, w in zip(params, work, strict=True):
         if w is not p:
             p.copy_(w)
-
-
-def _by_step(steps: list[Tensor]) -> list[list[tuple[int, int]]]:
-    """Indices grouped by their step count (all equal unless params were added later)."""
-    groups: dict[int, list[tuple[int, int]]] = {}
-    for i, s in enumerate(steps):
-        t = int(s.item())
-        groups.setdefault(t, []).append((t, i))
-    return list(groups.values())
