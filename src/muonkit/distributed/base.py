@@ -71,6 +71,8 @@ class Strategy(ABC):
 
         ``updates[i]`` is the local slice of the momentum update of ``params[i]``; the result
         has the same local shape. Each whole matrix is orthogonalized exactly once across ranks.
+        ``updates`` are fresh scratch tensors (:func:`muon_momentum_` returns new ones), so a
+        strategy may write the directions into them and return them, to save memory.
         """
 
     def count_batch(self, count: int, rows: int, cols: int, *, steps: int) -> None:

@@ -145,7 +145,7 @@ class DTensorStrategy(Strategy):
         options = dataclasses.replace(config.ns_options, adjust_lr=None)  # scaled on arrival
         hook = functools.partial(self.count_batch, steps=config.steps)
         gathers = [self._gather(ids, plans, updates, owner) for ids in members]
-        out = [torch.empty_like(u) for u in updates]
+        out = updates  # scratch (see Strategy): every read of them below happens before any write
         local = [i for i, plan in enumerate(plans) if plan.local and updates[i].numel() > 0]
         if local:  # computed while the gathers travel
             found = muon_directions([updates[i] for i in local], [config.layout] * len(local), options, on_batch=hook)

@@ -105,7 +105,10 @@ class ReplicatedStrategy(Strategy):
         buckets = [_Bucket(rows, cols, sorted(ks)) for (rows, cols, _), ks in by_key.items()]
         owners = _owners(buckets, costs, self.comm.world_size)
         pending = [self._orthogonalize_and_share(mats, jobs, b, owners, config) for b in buckets]
-        results = [[torch.empty_like(m) for m in blocks] for blocks in mats]
+        # Directions are written over the updates (scratch, see Strategy) when the matrices are
+        # views of them: the owners' inputs were copied by torch.stack before any write.
+        in_place = all(_is_view_of(m, u) for blocks, u in zip(mats, updates, strict=True) for m in blocks)
+        results = mats if in_place else [[torch.empty_like(m) for m in blocks] for blocks in mats]
         for work, bucket, pieces in pending:
             work.wait()
             for rank, piece in enumerate(pieces):
@@ -115,6 +118,8 @@ class ReplicatedStrategy(Strategy):
         for blocks in results:
             for block in blocks:  # after the transfer, in the update dtype, as on one device
                 block.mul_(lr_scale(config.adjust_lr, block.size(1), block.size(2)))
+        if in_place:
+            return updates
         return [config.layout.from_matrices(r, u.shape) for r, u in zip(results, updates, strict=True)]
 
     def _orthogonalize_and_share(
@@ -156,3 +161,7 @@ def _owners(buckets: list[_Bucket], costs: list[int], world_size: int) -> list[i
     for k, rank in zip(leftover, assign_owners([costs[k] for k in leftover], world_size), strict=True):
         owners[k] = rank
     return owners
+
+
+def _is_view_of(view: Tensor, base: Tensor) -> bool:
+    return view.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
