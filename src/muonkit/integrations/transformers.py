@@ -1,14 +1,39 @@
-"""Hugging Face transformers: models from configs (no weights, no downloads)."""
+"""Hugging Face transformers: HybridMuon under ``transformers.Trainer``, and models from configs.
+
+Two ways to train with HybridMuon, both honouring the ``TrainingArguments`` (the AdamW groups
+take ``learning_rate``, ``adam_beta1/2``, ``adam_epsilon`` and ``weight_decay``; the Trainer's lr
+scheduler scales every group from its own base lr; gradient accumulation, clipping and
+``resume_from_checkpoint`` work unchanged)::
+
+    from muonkit.integrations.transformers import MuonTrainer, make_optimizer
+
+    trainer = MuonTrainer(model=model, args=args, train_dataset=ds)                 # a Trainer subclass
+    trainer = Trainer(model=model, args=args, train_dataset=ds,
+                      optimizers=(make_optimizer(model, args), None))               # or a plain Trainer
+
+Muon groups keep muonkit's own lr (``muon_lr=0.02`` with Keller's shape scaling) unless told
+otherwise; pass ``adjust_lr="match_adamw", muon_lr=args.learning_rate`` to give the Muon groups
+AdamW's lr as Moonlight does.
+
+:func:`model_from_config` builds a model from a ``config.json`` on the meta device (no weights, no
+downloads): what :func:`muonkit.explain` and ``muonkit bench memory`` need.
+"""
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
+
+from muonkit.optimizer import HybridMuon
+from muonkit.param_groups import param_groups
+from muonkit.routing import RuleLike
+
+__all__ = ["MuonTrainer", "make_optimizer", "model_from_config"]  # noqa: F822 (MuonTrainer: module __getattr__)
 
 
 def _transformers() -> Any:
@@ -37,11 +62,105 @@ def model_from_config(config: str | os.PathLike[str] | Mapping[str, Any], *, dev
     model_type = data.pop("model_type", None)
     if model_type is None:
         raise ValueError("config has no 'model_type'; expected a Hugging Face config.json")
-    for key in ("auto_map", "architectures", "_name_or_path", "transformers_version", "quantization_config"):
+    for key in ("auto_map", "architectures", "transformers_version", "quantization_config"):
         data.pop(key, None)
+    for key in [k for k in data if k.startswith("_")]:  # "_name_or_path", our "_source" notes
+        data.pop(key)
     cfg = transformers.AutoConfig.for_model(model_type, **data)
     with torch.device(device):
         try:
             return transformers.AutoModelForCausalLM.from_config(cfg)
         except ValueError:
             return transformers.AutoModel.from_config(cfg)
+
+
+def make_optimizer(
+    model: nn.Module,
+    args: Any | None = None,
+    *,
+    muon_lr: float = 0.02,
+    adamw_lr: float | None = None,
+    weight_decay: float | None = None,
+    rules: Sequence[RuleLike] | Mapping[str, str] | None = None,
+    split_qkv: bool = False,
+    **muon_options: Any,
+) -> HybridMuon:
+    """A :class:`muonkit.HybridMuon` for ``model`` with the settings of ``args`` (``TrainingArguments``).
+
+    - AdamW groups: lr ``adamw_lr`` (default ``args.learning_rate``, else 3e-4), betas
+      ``(args.adam_beta1, args.adam_beta2)``, eps ``args.adam_epsilon``; weight decay
+      ``weight_decay`` (default ``args.weight_decay``) on their >= 2D tensors (embeddings, heads)
+      and none on biases and norm gains, as the Trainer's own optimizer does.
+    - Muon groups: lr ``muon_lr``, the same weight decay, and any ``muon_options``
+      (``adjust_lr``, ``ns_coefficients``, ``momentum``...).
+
+    Pass it as ``Trainer(..., optimizers=(make_optimizer(model, args), None))``.
+    """
+    wd = weight_decay if weight_decay is not None else float(getattr(args, "weight_decay", 0.0))
+    if adamw_lr is None:
+        adamw_lr = float(getattr(args, "learning_rate", 3e-4))
+    adamw_options: dict[str, Any] = {}
+    if args is not None:
+        adamw_options = {"betas": (float(args.adam_beta1), float(args.adam_beta2)), "eps": float(args.adam_epsilon)}
+    groups = param_groups(
+        model, lr=muon_lr, adamw_lr=adamw_lr, weight_decay=wd, adamw_weight_decay=wd, rules=rules,
+        split_qkv=split_qkv, muon_options=muon_options, adamw_options=adamw_options,
+    )  # fmt: skip
+    return HybridMuon(_no_decay_on_vectors(groups))
+
+
+def _no_decay_on_vectors(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Split each AdamW group into its >= 2D tensors and its vectors, the vectors without weight decay."""
+    out = []
+    for g in groups:
+        if g["algorithm"] != "adamw" or not g["weight_decay"]:
+            out.append(g)
+            continue
+        pairs = list(zip(g["params"], g["param_names"], strict=True))
+        for keep in (lambda p: p.ndim >= 2, lambda p: p.ndim < 2):
+            chosen = [(p, n) for p, n in pairs if keep(p)]
+            if chosen:
+                decay = g["weight_decay"] if chosen[0][0].ndim >= 2 else 0.0
+                out.append(
+                    {
+                        **g,
+                        "params": [p for p, _ in chosen],
+                        "param_names": [n for _, n in chosen],
+                        "weight_decay": decay,
+                    }
+                )
+    return out
+
+
+def _make_muon_trainer() -> type:
+    trainer_cls: Any = _transformers().Trainer
+
+    class MuonTrainer(trainer_cls):
+        """``transformers.Trainer`` that trains with :class:`muonkit.HybridMuon`.
+
+        ``muon_options`` are the keyword arguments of :func:`make_optimizer` (``muon_lr``,
+        ``adamw_lr``, ``adjust_lr``, ``rules``...). Everything else is the Trainer's.
+        """
+
+        def __init__(self, *args: Any, muon_options: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
+            self.muon_options = dict(muon_options or {})
+            super().__init__(*args, **kwargs)
+
+        def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
+            optimizer: torch.optim.Optimizer | None = getattr(self, "optimizer", None)
+            if optimizer is None:
+                optimizer = make_optimizer(model if model is not None else self.model, self.args, **self.muon_options)
+                self.optimizer = optimizer
+            return optimizer
+
+    return MuonTrainer
+
+
+def __getattr__(name: str) -> Any:
+    # MuonTrainer subclasses transformers.Trainer: built on first use so that importing this module
+    # (for model_from_config) does not import the Trainer machinery.
+    if name == "MuonTrainer":
+        cls = _make_muon_trainer()
+        globals()["MuonTrainer"] = cls
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,308 @@
+"""``muonkit bench step``: optimizer step time and orthogonalization quality, muonkit vs its peers.
+
+For each model (GPT-2-124M shapes, the benchmark GPT) the same gradients are fed to every
+method (:mod:`muonkit.bench.peers`): AdamW, HybridMuon, torch.optim.Muon + AdamW, DeepSpeed's
+single-device Muon. Step time: ``--warmup`` untimed steps, then ``--repeats`` timed steps
+(synchronized on GPU), each after the same gradients are copied back in (DeepSpeed overwrites
+``p.grad``); reported as the median with min and max. Beside each time, the quality of the
+orthogonalization of the first step, on one matrix of each shape::
+
+    O = (W_before - W_after) / (lr * scale(rows, cols))     # the update the method applied
+    max|s-1|, mean|s-1| over the singular values s of O      (float64 SVD)
+    polar = ||O - P||_F / ||P||_F,  P = the exact polar factor of the gradient
+
+(at step one every method's momentum update is a multiple of the gradient, so all of them
+orthogonalize the same matrix). A second table runs HybridMuon with each coefficient preset and
+step count. Example::
+
+    muonkit bench step                       # GPT-2-124M shapes and the benchmark GPT
+    muonkit bench step --models tiny --repeats 2 --ns-steps 3,5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+HELP = "optimizer step time and orthogonalization error: HybridMuon vs torch.optim.Muon vs DeepSpeed Muon vs AdamW"
+logger = logging.getLogger(__name__)
+
+MODELS: dict[str, dict[str, Any]] = {
+    # GPT-2 small: 12 x (c_attn 2304x768, attn c_proj 768x768, c_fc 3072x768, mlp c_proj 768x3072),
+    # wte 50257x768 (tied head), wpe 1024x768, LayerNorm gains and biases, Linear biases.
+    "gpt2-124m": {"vocab_size": 50257, "block_size": 1024, "n_layer": 12, "n_head": 12, "n_embd": 768,
+                  "bias": True, "tie_embeddings": True},
+    "bench-gpt": {"vocab_size": 2048, "block_size": 128, "n_layer": 4, "n_head": 4, "n_embd": 256},
+    "tiny": {"vocab_size": 256, "block_size": 32, "n_layer": 2, "n_head": 2, "n_embd": 64},
+}  # fmt: skip
+MUON_LR = 0.02
+
+
+def build_model(name: str, *, device: str, seed: int) -> Any:
+    import torch
+
+    from muonkit.bench.model import GPT, GPTConfig
+
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(**MODELS[name])).to(device)
+
+
+def make_grads(model: Any, *, kind: str, seed: int) -> list[Any]:
+    """Random normal gradients, or those of one backward pass on random tokens."""
+    import torch
+
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    params = list(model.parameters())
+    if kind == "random":
+        return [(torch.randn(p.shape, generator=gen) * 1e-2).to(p.device) for p in params]
+    config = model.config
+    tokens = torch.randint(0, config.vocab_size, (4, min(128, config.block_size) + 1), generator=gen)
+    tokens = tokens.to(params[0].device)
+    model.zero_grad(set_to_none=True)
+    _, loss = model(tokens[:, :-1], tokens[:, 1:])
+    loss.backward()
+    grads = [p.grad.detach().clone() for p in params]
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def orthogonality_error(update: Any, reference: Any) -> dict[str, float]:
+    """Singular values of ``update`` against 1, and its distance to the polar factor ``reference``."""
+    import torch
+
+    s = torch.linalg.svdvals(update.double())
+    dev = (s - 1).abs()
+    polar = torch.linalg.matrix_norm(update.double() - reference) / torch.linalg.matrix_norm(reference)
+    return {"max_abs_s_minus_1": float(dev.max()), "mean_abs_s_minus_1": float(dev.mean()), "polar": float(polar)}
+
+
+def polar_factor(g: Any) -> Any:
+    import torch
+
+    u, _, vh = torch.linalg.svd(g.double(), full_matrices=False)
+    return u @ vh
+
+
+def probe_matrices(groups: list[dict[str, Any]]) -> list[tuple[int, Any]]:
+    """(index into model.parameters(), param) of the first Muon matrix of each shape."""
+    seen: dict[tuple[int, ...], Any] = {}
+    for g in groups:
+        if g["algorithm"] == "muon":
+            for p in g["params"]:
+                seen.setdefault(tuple(p.shape), p)
+    return list(enumerate(seen.values()))
+
+
+class Harness:
+    """One model, its initial weights and gradients; runs any method from the same start."""
+
+    def __init__(self, name: str, *, device: str, grads: str, seed: int) -> None:
+        import muonkit
+
+        self.name, self.device = name, device
+        self.model = build_model(name, device=device, seed=seed)
+        self.params = list(self.model.parameters())
+        self.initial = [p.detach().clone() for p in self.params]
+        self.grads = make_grads(self.model, kind=grads, seed=seed)
+        groups = muonkit.param_groups(self.model)
+        index = {id(p): i for i, p in enumerate(self.params)}
+        self.probes = [index[id(p)] for _, p in probe_matrices(groups)]
+        self.polar = {i: polar_factor(self.grads[i]) for i in self.probes}
+        self.n_params = sum(p.numel() for p in self.params)
+        self.n_muon = sum(p.numel() for g in groups if g["algorithm"] == "muon" for p in g["params"])
+
+    def groups(self) -> list[dict[str, Any]]:
+        import muonkit
+
+        return muonkit.param_groups(self.model, lr=MUON_LR)
+
+    def reset(self) -> None:
+        import torch
+
+        with torch.no_grad():
+            for p, w in zip(self.params, self.initial, strict=True):
+                p.copy_(w)
+                p.grad = None
+
+    def load_grads(self) -> None:
+        import torch
+
+        with torch.no_grad():
+            for p, g in zip(self.params, self.grads, strict=True):
+                if p.grad is None:
+                    p.grad = g.clone()
+                else:
+                    p.grad.copy_(g)
+
+    def sync(self) -> None:
+        import torch
+
+        if self.device.startswith("cuda"):
+            torch.cuda.synchronize()
+
+    def run(self, build: Any, *, warmup: int, repeats: int, muon: bool = True) -> dict[str, Any]:
+        """Build from fresh groups, measure the first step's error, then time ``repeats`` steps."""
+        import torch
+
+        self.reset()
+        opt = build(self.groups())
+        self.load_grads()
+        before = {i: self.params[i].detach().clone() for i in self.probes}
+        opt.step()
+        errors = {}
+        if muon:
+            for i in self.probes:
+                p = self.params[i]
+                scale = math.sqrt(max(1.0, p.shape[0] / p.shape[1]))  # every peer here uses Keller's
+                update = (before[i] - p.detach()).double() / (MUON_LR * scale)
+                errors["x".join(map(str, p.shape))] = orthogonality_error(update, self.polar[i])
+        for _ in range(max(0, warmup - 1)):
+            self.load_grads()
+            opt.step()
+        times = []
+        for _ in range(repeats):
+            self.load_grads()
+            self.sync()
+            start = time.perf_counter()
+            opt.step()
+            self.sync()
+            times.append(time.perf_counter() - start)
+        del opt
+        torch.cuda.empty_cache() if self.device.startswith("cuda") else None
+        return {"times_s": times, **_time_summary(times), "errors": errors, **_error_summary(errors)}
+
+
+def _time_summary(times: list[float]) -> dict[str, float]:
+    return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times)}
+
+
+def _error_summary(errors: dict[str, dict[str, float]]) -> dict[str, float | None]:
+    if not errors:
+        return {"max_abs_s_minus_1": None, "mean_abs_s_minus_1": None, "polar": None}
+    return {
+        "max_abs_s_minus_1": max(e["max_abs_s_minus_1"] for e in errors.values()),
+        "mean_abs_s_minus_1": statistics.fmean(e["mean_abs_s_minus_1"] for e in errors.values()),
+        "polar": max(e["polar"] for e in errors.values()),
+    }
+
+
+def compare_peers(h: Harness, args: argparse.Namespace) -> dict[str, Any]:
+    from muonkit.bench.peers import peers
+
+    table = peers(deepspeed=not args.no_deepspeed)
+    wanted = args.methods.split(",") if args.methods else list(table)
+    rows = {}
+    for name in wanted:
+        peer = table[name]
+        logger.info("%s: %s", h.name, name)
+        rows[name] = {
+            "notes": peer.notes,
+            **h.run(peer.build, warmup=args.warmup, repeats=args.repeats, muon=name != "adamw"),
+        }
+    return rows
+
+
+def compare_presets(h: Harness, args: argparse.Namespace) -> dict[str, Any]:
+    from muonkit.bench.peers import hybrid_muon
+
+    rows = {}
+    for preset in args.presets.split(","):
+        for steps in (int(s) for s in args.ns_steps.split(",")):
+            logger.info("%s: hybrid_muon %s x%d", h.name, preset, steps)
+
+            def build(groups: list[dict[str, Any]], preset: str = preset, steps: int = steps) -> Any:
+                return hybrid_muon(groups, ns_coefficients=preset, ns_steps=steps)
+
+            rows[f"{preset}x{steps}"] = {
+                "preset": preset,
+                "ns_steps": steps,
+                **h.run(build, warmup=args.warmup, repeats=args.repeats),
+            }
+    return rows
+
+
+def _fmt_err(r: dict[str, Any]) -> str:
+    if r["max_abs_s_minus_1"] is None:
+        return f"{'-':>9}  {'-':>9}  {'-':>7}"
+    return f"{r['max_abs_s_minus_1']:9.3f}  {r['mean_abs_s_minus_1']:9.3f}  {r['polar']:7.3f}"
+
+
+def format_peers(model: str, rows: dict[str, Any], *, base: str = "hybrid_muon") -> str:
+    ref = rows.get(base) or next(iter(rows.values()))
+    adamw = rows.get("adamw")
+    lines = [
+        f"{model}: optimizer step (ms: median [min, max]); ratio = median / {base}'s; error on the first step",
+        f"{'method':<19} {'median':>9} {'[min':>9} {'max]':>9} {'ratio':>6} {'vs AdamW':>9}  {'max|s-1|':>9}  {'mean|s-1|':>9}  {'polar':>7}",
+    ]
+    for name, r in rows.items():
+        vs_adamw = f"{r['median_s'] / adamw['median_s']:8.1f}x" if adamw else f"{'-':>9}"
+        lines.append(
+            f"{name:<19} {r['median_s'] * 1e3:9.1f} {r['min_s'] * 1e3:9.1f} {r['max_s'] * 1e3:9.1f} "
+            f"{r['median_s'] / ref['median_s']:6.2f} {vs_adamw}  {_fmt_err(r)}"
+        )
+    return "\n".join(lines)
+
+
+def format_presets(model: str, rows: dict[str, Any]) -> str:
+    lines = [
+        f"{model}: HybridMuon step by coefficient preset and Newton-Schulz steps (ms: median [min, max])",
+        f"{'preset':<15} {'steps':>5} {'median':>9} {'[min':>9} {'max]':>9}  {'max|s-1|':>9}  {'mean|s-1|':>9}  {'polar':>7}",
+    ]
+    for r in rows.values():
+        lines.append(
+            f"{r['preset']:<15} {r['ns_steps']:>5} {r['median_s'] * 1e3:9.1f} {r['min_s'] * 1e3:9.1f} "
+            f"{r['max_s'] * 1e3:9.1f}  {_fmt_err(r)}"
+        )
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--models", default="gpt2-124m,bench-gpt", help=f"comma-separated, from {sorted(MODELS)}")
+    parser.add_argument("--methods", help="comma-separated peers (default: all; see muonkit.bench.peers)")
+    parser.add_argument("--no-deepspeed", action="store_true", help="leave DeepSpeed's Muon out")
+    parser.add_argument("--presets", default="keller,you,polar_express", help="presets for the second table")
+    parser.add_argument("--ns-steps", default="3,4,5,6,7,8", help="Newton-Schulz step counts for the second table")
+    parser.add_argument("--no-presets", action="store_true", help="skip the second table")
+    parser.add_argument("--grads", choices=("random", "backward"), default="random")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps (the first also gives the error)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed steps")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="runs/step", help="output folder (step.json)")
+
+
+def main(args: argparse.Namespace) -> int:
+    import torch
+
+    from muonkit.bench.environment import environment
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.warmup < 1 or args.repeats < 1:
+        raise ValueError(f"Invalid warmup={args.warmup}, repeats={args.repeats}: both must be >= 1")
+    report: dict[str, Any] = {
+        "environment": environment(),
+        "args": {k: v for k, v in vars(args).items() if not callable(v)},
+        "models": {},
+    }
+    for name in args.models.split(","):
+        h = Harness(name, device=args.device, grads=args.grads, seed=args.seed)
+        entry: dict[str, Any] = {"params": h.n_params, "muon_params": h.n_muon, "peers": compare_peers(h, args)}
+        print(format_peers(name, entry["peers"]), end="\n\n")
+        if not args.no_presets:
+            entry["presets"] = compare_presets(h, args)
+            print(format_presets(name, entry["presets"]), end="\n\n")
+        report["models"][name] = entry
+        del h
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "step.json").write_text(json.dumps(report, indent=2, default=str))
+    print(f"wrote {out / 'step.json'}")
+    return 0

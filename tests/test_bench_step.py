@@ -1,0 +1,66 @@
+"""`muonkit bench step`: the error metric, the update recovered from the weights, a smoke run."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+import muonkit
+from muonkit.bench import step
+from muonkit.bench.peers import hybrid_muon
+from muonkit.cli import main
+
+
+def test_orthogonality_error_on_exact_cases() -> None:
+    q, _ = torch.linalg.qr(torch.randn(12, 5, dtype=torch.float64))
+    exact = step.orthogonality_error(q, q)
+    assert exact["max_abs_s_minus_1"] < 1e-12 and exact["polar"] < 1e-12
+    doubled = step.orthogonality_error(2 * q, q)  # every singular value 2: |s-1| = 1, ||2Q-Q|| = ||Q||
+    assert doubled["max_abs_s_minus_1"] == pytest.approx(1.0, abs=1e-12)
+    assert doubled["mean_abs_s_minus_1"] == pytest.approx(1.0, abs=1e-12)
+    assert doubled["polar"] == pytest.approx(1.0, abs=1e-12)
+
+
+def test_polar_factor_is_orthogonal() -> None:
+    g = torch.randn(9, 4)
+    p = step.polar_factor(g)
+    assert torch.allclose(p.T @ p, torch.eye(4, dtype=torch.float64), atol=1e-12)
+
+
+def test_harness_recovers_the_orthogonalized_update() -> None:
+    """The error the harness reports for HybridMuon is that of muonkit.orthogonalize on the gradient."""
+    h = step.Harness("tiny", device="cpu", grads="random", seed=0)
+    result = h.run(lambda g: hybrid_muon(g, ns_coefficients="keller", ns_steps=5), warmup=1, repeats=1)
+    for i in h.probes:
+        g = h.grads[i]
+        u = g.lerp(torch.zeros_like(g).lerp(g, 0.05), 0.95)  # step one of Nesterov momentum, as HybridMuon does it
+        direct = muonkit.orthogonalize(u, coefficients="keller", steps=5).double()
+        expected = step.orthogonality_error(direct, h.polar[i])
+        got = result["errors"]["x".join(map(str, g.shape))]
+        # tolerance: the update goes through fp32 weights of size ~0.02 (ulp ~2e-9) and
+        # is divided by lr=0.02: ~1e-6 relative noise on singular values of size ~1.
+        assert got["mean_abs_s_minus_1"] == pytest.approx(expected["mean_abs_s_minus_1"], abs=1e-4)
+        assert got["polar"] == pytest.approx(expected["polar"], abs=1e-4)
+    assert math.isfinite(result["median_s"]) and result["min_s"] <= result["median_s"] <= result["max_s"]
+
+
+def test_cli_smoke(tmp_path: Path) -> None:
+    argv = ["bench", "step", "--models", "tiny", "--warmup", "1", "--repeats", "1", "--out", str(tmp_path)]
+    argv += ["--methods", "adamw,hybrid_muon,torch_muon,deepspeed_standard", "--presets", "keller,polar_express"]
+    argv += ["--ns-steps", "3,5"]
+    assert main(argv) == 0
+    data = json.loads((tmp_path / "step.json").read_text())
+    rows = data["models"]["tiny"]["peers"]
+    assert set(rows) == {"adamw", "hybrid_muon", "torch_muon", "deepspeed_standard"}
+    for name, r in rows.items():
+        assert r["median_s"] > 0
+        if name != "adamw":
+            assert 0 <= r["mean_abs_s_minus_1"] < 1 and r["polar"] < 1
+    presets = data["models"]["tiny"]["presets"]
+    assert set(presets) == {"kellerx3", "kellerx5", "polar_expressx3", "polar_expressx5"}
+    # more steps move the singular values closer to 1 on average (a property of the polynomials)
+    assert presets["polar_expressx5"]["mean_abs_s_minus_1"] < presets["polar_expressx3"]["mean_abs_s_minus_1"]
