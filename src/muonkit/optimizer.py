@@ -136,6 +136,10 @@ class HybridMuon(Optimizer):
             raise TypeError("Invalid params: a set has no stable order (state_dict would mismatch); use a list")
         params = [params] if isinstance(params, Tensor) else list(params)
         group["params"] = params  # a generator is consumed here: hand torch the list
+        if any(p.is_complex() for p in params):
+            raise ValueError(
+                f"Param group {len(self.param_groups)} has a complex tensor: complex params are not supported"
+            )
         if "algorithm" not in group or group["algorithm"] is None:
             group["algorithm"] = _default_algorithm(params, len(self.param_groups))
         if group["algorithm"] == "adamw":
@@ -175,7 +179,7 @@ class HybridMuon(Optimizer):
         params = [p for p in group["params"] if p.grad is not None]
         for p in params:
             grad = cast(Tensor, p.grad)
-            if grad.is_sparse:
+            if grad.layout != torch.strided:  # COO, CSR, ...: all sparse layouts
                 raise RuntimeError(
                     "HybridMuon does not support sparse gradients; use torch.optim.SparseAdam for those params"
                 )
@@ -188,9 +192,14 @@ class HybridMuon(Optimizer):
             return True
         local = [self.strategy.local(cast(Tensor, p.grad)) for p in params]
         nonempty = [g for g in local if g.numel() > 0]  # a rank may hold only empty shards (FSDP2)
-        peaks = torch._foreach_norm(nonempty, float("inf")) if nonempty else []
-        ok = torch.stack([torch.isfinite(x) for x in peaks]).all() if peaks else torch.tensor(True)
-        if self.strategy.all_finite(ok.cpu()):
+        # max|g| per tensor is NaN or inf iff the tensor has one; one stack and one host read per
+        # device (a model may be spread over several GPUs in one process).
+        by_device: dict[torch.device, list[Tensor]] = {}
+        for peak in torch._foreach_norm(nonempty, float("inf")) if nonempty else []:
+            by_device.setdefault(peak.device, []).append(peak)
+        verdicts = [torch.stack(peaks).isfinite().all().cpu() for peaks in by_device.values()]
+        ok = torch.stack(verdicts).all() if verdicts else torch.tensor(True)
+        if self.strategy.all_finite(ok):
             return True
         if self.nonfinite == "raise":
             raise FloatingPointError("non-finite gradient (inf or nan); nothing was updated")
@@ -301,8 +310,6 @@ def _check_muon_params(params: list[Tensor], group: Mapping[str, Any], index: in
                 f"Param group {index} (algorithm='muon') has a tensor of shape {shape}: Muon "
                 "needs >= 2 dims; put it in an algorithm='adamw' group"
             )
-        if p.is_complex():
-            raise ValueError(f"Param group {index} has a complex tensor: complex params are not supported")
         try:
             config.layout.blocks(shape)
         except ValueError as e:
