@@ -255,20 +255,35 @@ class HybridMuon(Optimizer):
     # ------------------------------------------------------------------ checkpoints
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Load a state; a state that does not fit these param groups raises and changes nothing."""
+        """Load a state; a state that does not fit these param groups raises and changes nothing.
+
+        Saved hyperparameters replace the current ones; a key the checkpoint lacks (saved before
+        that option existed) keeps its current value. States are copied, never aliasing
+        ``state_dict``; momentum and moments stay fp32 for low-precision params.
+        """
         self._check_state_dict(state_dict)
+        current = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
         saved = state_dict["state"]
         ids = [pid for g in state_dict["param_groups"] for pid in g["params"]]
         super().load_state_dict(dict(state_dict))
-        # torch casts float states to the param dtype; keep our fp32 states for low-precision params.
+        for group, before in zip(self.param_groups, current, strict=True):
+            for key, value in before.items():
+                group.setdefault(key, value)
+        # torch casts float states to the param dtype and keeps the caller's tensors; redo both.
         params = [p for g in self.param_groups for p in g["params"]]
         for pid, p in zip(ids, params, strict=True):
             for key, value in saved.get(pid, {}).items():
-                if isinstance(value, Tensor) and key != "step":
+                if key == "step":
+                    self.state[p][key] = torch.tensor(float(value), dtype=torch.float32)
+                elif isinstance(value, Tensor):
                     self.state[p][key] = value.to(device=p.device, dtype=self._state_dtype(p), copy=True)
 
     def _check_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        if not isinstance(state_dict, Mapping) or "state" not in state_dict or "param_groups" not in state_dict:
+        if (
+            not isinstance(state_dict, Mapping)
+            or not isinstance(state_dict.get("state"), Mapping)
+            or not isinstance(state_dict.get("param_groups"), Sequence)
+        ):
             raise ValueError("Invalid optimizer state: expected a dict with 'state' and 'param_groups'")
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups):
@@ -277,6 +292,8 @@ class HybridMuon(Optimizer):
             )
         index = 0
         for gi, (group, saved) in enumerate(zip(self.param_groups, saved_groups, strict=True)):
+            if not isinstance(saved, Mapping) or not isinstance(saved.get("params"), Sequence):
+                raise ValueError(f"Invalid optimizer state: param group {gi} has no 'params' list")
             if len(saved["params"]) != len(group["params"]):
                 raise ValueError(
                     f"Param group {gi} has {len(group['params'])} params, the saved state has {len(saved['params'])}"
@@ -286,7 +303,10 @@ class HybridMuon(Optimizer):
                 raise ValueError(
                     f"Param group {gi} is {group['algorithm']!r} here but {algorithm!r} in the saved state"
                 )
-            group_config({**self.defaults, **{k: v for k, v in saved.items() if k != "params"}}, gi)
+            merged = {**group, **{k: v for k, v in saved.items() if k != "params"}}  # as load_state_dict will
+            group_config(merged, gi)
+            if algorithm == "muon":
+                _check_muon_params(group["params"], merged, gi)
             for p, pid in zip(group["params"], saved["params"], strict=True):
                 _check_param_state(state_dict["state"].get(pid), p, algorithm, gi, index)
                 index += 1
@@ -338,12 +358,28 @@ def _check_param_state(state: Mapping[str, Any] | None, p: Tensor, algorithm: st
     for key in expected:
         value = state[key]
         if key == "step":
+            _check_step(value, group, index)
             continue
         if not isinstance(value, Tensor) or tuple(value.shape) != tuple(p.shape):
             shape = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
             raise ValueError(
                 f"Saved {key} of param {index} (group {group}) has shape {shape}, the param has {tuple(p.shape)}"
             )
+        if not value.is_floating_point():
+            raise ValueError(
+                f"Saved {key} of param {index} (group {group}) has dtype {value.dtype}: must be floating point"
+            )
+
+
+def _check_step(value: Any, group: int, index: int) -> None:
+    if isinstance(value, Tensor) and value.numel() == 1 and not value.is_complex():
+        number: Any = value.item()
+    else:
+        number = value
+    if isinstance(number, bool) or not isinstance(number, (int, float)) or not 0 <= number < float("inf"):
+        raise ValueError(
+            f"Saved step of param {index} (group {group}) is {value!r}: must be a number >= 0 or a one-element tensor"
+        )
 
 
 class Muon(HybridMuon):
