@@ -147,7 +147,9 @@ def test_bf16_gradients_are_checked_too() -> None:
 
 
 def test_invalid_nonfinite_policy() -> None:
-    with pytest.raises(ValueError, match=r"^Invalid nonfinite='ignore': must be one of \('skip', 'raise', 'unchecked'\)$"):
+    with pytest.raises(
+        ValueError, match=r"^Invalid nonfinite='ignore': must be one of \('skip', 'raise', 'unchecked'\)$"
+    ):
         muonkit.HybridMuon([torch.nn.Parameter(torch.randn(4, 4))], nonfinite="ignore")  # type: ignore[arg-type]
 
 
@@ -155,7 +157,9 @@ def test_invalid_nonfinite_policy() -> None:
 def test_sparse_gradients_raise_with_nothing_changed(algorithm: str) -> None:
     embed = nn.Embedding(10, 8, sparse=True)
     other = nn.Parameter(torch.randn(8, 8))
-    opt = muonkit.HybridMuon([{"params": [other], "algorithm": "muon"}, {"params": [embed.weight], "algorithm": algorithm}])
+    opt = muonkit.HybridMuon(
+        [{"params": [other], "algorithm": "muon"}, {"params": [embed.weight], "algorithm": algorithm}]
+    )
     before = embed.weight.detach().clone(), other.detach().clone()
     embed(torch.tensor([1, 2, 3])).sum().backward()
     other.grad = torch.randn(8, 8)
