@@ -306,7 +306,8 @@ class HybridMuon(Optimizer):
             merged = {**group, **{k: v for k, v in saved.items() if k != "params"}}  # as load_state_dict will
             group_config(merged, gi)
             if algorithm == "muon":
-                _check_muon_params(group["params"], merged, gi)
+                shapes = [s for p in group["params"] for s in self.strategy.whole_shapes(p)]
+                _check_muon_params(group["params"], merged, gi, shapes=shapes)
             for p, pid in zip(group["params"], saved["params"], strict=True):
                 _check_param_state(state_dict["state"].get(pid), p, algorithm, gi, index)
                 index += 1
@@ -321,10 +322,12 @@ def _default_algorithm(params: list[Tensor], index: int) -> str:
     )
 
 
-def _check_muon_params(params: list[Tensor], group: Mapping[str, Any], index: int) -> None:
+def _check_muon_params(
+    params: list[Tensor], group: Mapping[str, Any], index: int, *, shapes: Sequence[tuple[int, ...]] | None = None
+) -> None:
+    """``shapes``: the whole tensors behind ``params`` when they differ (a strategy's ``whole_shapes``)."""
     config = cast(MuonConfig, group_config(group, index))
-    for p in params:
-        shape = full_shape(p)  # a ZeRO-3 partition keeps its layer's shape in ds_shape
+    for shape in [full_shape(p) for p in params] if shapes is None else shapes:
         if len(shape) < 2:
             raise ValueError(
                 f"Param group {index} (algorithm='muon') has a tensor of shape {shape}: Muon "

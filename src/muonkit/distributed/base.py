@@ -18,6 +18,7 @@ from torch import Tensor
 
 from muonkit.config import MuonConfig
 from muonkit.functional.matrices import orthogonalization_flops
+from muonkit.shapes import full_shape
 
 
 @dataclass
@@ -56,6 +57,15 @@ class Strategy(ABC):
     def all_finite(self, local_ok: Tensor) -> bool:
         """Whether every rank's gradients are finite, given this rank's verdict (bool tensor)."""
         return bool(local_ok.item())
+
+    def whole_shapes(self, param: Tensor) -> list[tuple[int, ...]]:
+        """Shapes of the whole tensors a param of the optimizer stands for (for validation).
+
+        One for most strategies (a DTensor or a ZeRO-3 placeholder reports its full shape); a
+        DeepSpeed ZeRO flat partition stands for every parameter in it; an empty list means
+        "not known yet" (nothing to check).
+        """
+        return [full_shape(param)]
 
     def check_participation(self, has_grad: Sequence[bool]) -> None:
         """Check that all ranks step the same params (``has_grad``: every param, in group order).

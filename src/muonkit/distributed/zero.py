@@ -135,6 +135,12 @@ class ZeroStrategy(Strategy):
             )
         return entry[1]
 
+    def whole_shapes(self, param: Tensor) -> list[tuple[int, ...]]:
+        entry = self._layouts.get(id(param))
+        if entry is None or entry[0] is not param:
+            return super().whole_shapes(param)
+        return [p.shape for p in entry[1].params]
+
     def plan(self, flat: Tensor, config: MuonConfig) -> ExchangePlan:
         """The (cached) exchange plan of a bound flat partition under a group's matrix layout."""
         layout = self.layout_of(flat)
