@@ -27,8 +27,17 @@ from muonkit.distributed.base import StrategyStats
 
 __all__ = ["Collectives", "Pending", "group_of"]
 
-Pending = Any
-"""What an ``async_op=True`` collective returns (a ``torch.distributed.Work``); call ``.wait()``."""
+
+class Pending:
+    """An async collective and the buffers it reads and writes, kept alive until :meth:`wait`."""
+
+    def __init__(self, work: Any, *buffers: Tensor) -> None:
+        self.work = work
+        self.buffers = buffers
+
+    def wait(self) -> None:
+        self.work.wait()
+        self.buffers = ()
 
 
 def group_of(process_group: Any) -> Any:
@@ -55,6 +64,10 @@ class Collectives:
         self.stats = stats
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
+        # Where the small bookkeeping tensors (flags) must live for this backend: NCCL only
+        # reduces GPU tensors.
+        nccl = "nccl" in str(dist.get_backend(group)) and torch.cuda.is_available()
+        self.flag_device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
     def _count(self, nbytes: float) -> None:
         self.stats.collectives += 1
@@ -66,7 +79,8 @@ class Collectives:
         """Async ``all_to_all_single`` on flat buffers; ``input_splits[j]`` elements go to rank j."""
         others = sum(n for j, n in enumerate(input_splits) if j != self.rank)
         self._count(others * input.element_size())
-        return dist.all_to_all_single(output, input, output_splits, input_splits, group=self.group, async_op=True)
+        work = dist.all_to_all_single(output, input, output_splits, input_splits, group=self.group, async_op=True)
+        return Pending(work, output, input)
 
     def all_gather_uneven(self, input: Tensor, sizes: list[int]) -> tuple[Pending, list[Tensor]]:
         """Async all-gather of flat tensors whose sizes may differ by rank (``sizes[j]`` from rank j).
@@ -86,7 +100,7 @@ class Collectives:
         buffer = input.new_empty(most * self.world_size)
         pieces = [chunk[:n] for chunk, n in zip(buffer.chunk(self.world_size), sizes, strict=True)]
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
-        return gather(buffer, input, group=self.group, async_op=True), pieces
+        return Pending(gather(buffer, input, group=self.group, async_op=True), buffer, input), pieces
 
     def all_reduce(self, t: Tensor, *, op: Any) -> None:
         """Blocking in-place ``all_reduce``."""
@@ -95,7 +109,7 @@ class Collectives:
 
     def all_ranks_true(self, flag: Tensor) -> bool:
         """Whether a boolean is true on every rank (one tiny all_reduce MIN)."""
-        t = flag.detach().to(torch.int32).reshape(1).clone()
+        t = flag.detach().to(device=self.flag_device, dtype=torch.int32).reshape(1).clone()
         self.all_reduce(t, op=dist.ReduceOp.MIN)
         return bool(t.item())
 
@@ -103,7 +117,7 @@ class Collectives:
         """Raise on every rank (never hang) unless all ranks hold the same boolean vector."""
         if not flags:
             return
-        mine = torch.tensor(list(flags), dtype=torch.int32)
+        mine = torch.tensor(list(flags), dtype=torch.int32, device=self.flag_device)
         both = torch.cat([mine, 1 - mine])
         self.all_reduce(both, op=dist.ReduceOp.MAX)
         differ = (both[: len(flags)] * both[len(flags) :]).nonzero().flatten().tolist()

@@ -62,7 +62,14 @@ def dim0_sizes(n: int, world_size: int) -> list[int]:
 
 
 def block_scale(
-    layout: MatrixLayout, shape: Sequence[int], adjust_lr: str | None, *, start: int, stop: int, dtype: torch.dtype
+    layout: MatrixLayout,
+    shape: Sequence[int],
+    adjust_lr: str | None,
+    *,
+    start: int,
+    stop: int,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
 ) -> float | Tensor:
     """The lr shape scale of each element of ``t[start:stop]`` for a whole tensor of ``shape``.
 
@@ -72,7 +79,9 @@ def block_scale(
     blocks = layout.blocks(tuple(shape))
     if len(blocks) == 1:
         return lr_scale(adjust_lr, blocks[0].rows, blocks[0].cols)
-    per_row = torch.cat([torch.full((b.rows,), lr_scale(adjust_lr, b.rows, b.cols), dtype=dtype) for b in blocks])
+    per_row = torch.cat(
+        [torch.full((b.rows,), lr_scale(adjust_lr, b.rows, b.cols), dtype=dtype, device=device) for b in blocks]
+    )
     kind = layout.resolved(len(shape))
     dim = {"matrix": 0, "flatten": 0, "transposed": 1, "experts": len(shape) - 2}[kind]
     if dim == 0:
@@ -144,7 +153,7 @@ class DTensorStrategy(Strategy):
         members = [sorted(ids) for ids in buckets.values()]
         options = dataclasses.replace(config.ns_options, adjust_lr=None)  # scaled on arrival
         hook = functools.partial(self.count_batch, steps=config.steps)
-        gathers = [self._gather(ids, plans, updates, owner) for ids in members]
+        gathers: list[Any] = [self._gather(ids, plans, updates, owner) for ids in members]
         out = updates  # scratch (see Strategy): every read of them below happens before any write
         local = [i for i, plan in enumerate(plans) if plan.local and updates[i].numel() > 0]
         if local:  # computed while the gathers travel
@@ -152,8 +161,9 @@ class DTensorStrategy(Strategy):
             for i, d in zip(local, found, strict=True):
                 out[i].copy_(d)
         returns = []
-        for ids, gather in zip(members, gathers, strict=True):
-            whole = self._assemble(ids, plans, owner, gather)
+        for k, ids in enumerate(members):
+            whole = self._assemble(ids, plans, owner, gathers[k])
+            gathers[k] = None  # free the received pieces now, not at the end of the step
             found = muon_directions(whole, [config.layout] * len(whole), options, on_batch=hook) if whole else []
             returns.append(self._send_back(ids, plans, owner, found, wire_dtype(config, updates[ids[0]])))
         for ids, (work, pieces) in zip(members, returns, strict=True):
@@ -162,16 +172,17 @@ class DTensorStrategy(Strategy):
                 out[i].copy_(piece.view(out[i].shape))
         for i, plan in enumerate(plans):
             start = plan.start(self.comm.rank)
-            out[i].mul_(
-                block_scale(
-                    config.layout,
-                    plan.shape,
-                    config.adjust_lr,
-                    start=start,
-                    stop=start + out[i].size(0),
-                    dtype=out[i].dtype,
-                )
+            stop = start + out[i].size(0)
+            scale = block_scale(
+                config.layout,
+                plan.shape,
+                config.adjust_lr,
+                start=start,
+                stop=stop,
+                dtype=out[i].dtype,
+                device=out[i].device,
             )
+            out[i].mul_(scale)
         return out
 
     def _plan(self, param: Tensor, update: Tensor, config: MuonConfig) -> _Plan:
@@ -192,7 +203,9 @@ class DTensorStrategy(Strategy):
         experts = config.layout.resolved(len(shape)) == "experts"
         return _Plan(shape, sizes, cost, local=experts or sum(n > 0 for n in sizes) <= 1)
 
-    def _gather(self, ids: list[int], plans: list[_Plan], updates: list[Tensor], owner: dict[int, int]) -> Pending:
+    def _gather(
+        self, ids: list[int], plans: list[_Plan], updates: list[Tensor], owner: dict[int, int]
+    ) -> tuple[Pending, Tensor]:
         """Start sending this rank's rows of each tensor to its owner (one all_to_all per shape)."""
         world, rank, plan = self.comm.world_size, self.comm.rank, plans[ids[0]]
         order = sorted(ids, key=lambda i: (owner[i], i))
