@@ -1,4 +1,4 @@
-"""The ``muonkit`` command: ``muonkit inspect ...`` and ``muonkit bench <name> ...``.
+"""The ``muonkit`` command: ``muonkit inspect``, ``muonkit bench <name>``, ``muonkit convert-deepspeed``.
 
 Each benchmark lives in its own module under :mod:`muonkit.bench` and exposes ``HELP`` (one
 line), ``add_arguments(parser)`` and ``main(args) -> int``. The CLI configures logging; the
@@ -45,6 +45,14 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     inspect.add_argument("--split-qkv", action="store_true", help="split fused QKV projections into Q, K, V blocks")
     inspect.add_argument("--json", metavar="PATH", help="also write the report as JSON")
+    convert = commands.add_parser(
+        "convert-deepspeed", help="rewrite a DeepSpeed ZeRO checkpoint of a muonkit run for another world size"
+    )
+    convert.add_argument("checkpoint", help="the directory given to engine.save_checkpoint")
+    convert.add_argument("--world-size", type=int, required=True, help="data-parallel ranks that will load it")
+    convert.add_argument("--output", required=True, help="directory to write the converted checkpoint to")
+    convert.add_argument("--tag", default=None, help="checkpoint tag (default: the one in CHECKPOINT/latest)")
+    convert.set_defaults(run=_convert_deepspeed)
     bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     for name, module_name in BENCHES.items():
         module = _load(module_name)
@@ -77,6 +85,12 @@ def _inspect(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump(report.to_dict(), f, indent=2)
     return 0
+
+
+def _convert_deepspeed(args: argparse.Namespace) -> int:
+    from muonkit.integrations.deepspeed_convert import run
+
+    return run(args)
 
 
 def _configure_logging(verbose: bool) -> None:

@@ -1,0 +1,50 @@
+"""DeepSpeed ZeRO-1/2/3 with muonkit: 2-rank training checks, then 1-rank checkpoint loading.
+
+See ds_checks_train (equivalence with the single-device reference, exactly-once, traffic,
+schedulers, unsupported configurations, bit-identical resume) and ds_checks_load (a 2-rank
+checkpoint at 1 rank: the documented error, the conversion, the loaded state).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from ds_launch import launch, report
+from ds_worker import names
+
+pytest.importorskip("deepspeed", reason="the DeepSpeed extra is not installed (pip install 'muonkit[deepspeed]')")
+pytestmark = pytest.mark.distributed
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("ds_shared")
+
+
+@pytest.fixture(scope="module")
+def train_results(shared: Path) -> dict:
+    return launch("ds_checks_train", world_size=2, out_dir=shared.parent / "ds_train", shared=shared)
+
+
+@pytest.fixture(scope="module")
+def load_results(shared: Path, train_results: dict) -> dict:
+    del train_results  # the checkpoints it saved are the input
+    return launch("ds_checks_load", world_size=1, out_dir=shared.parent / "ds_load", shared=shared)
+
+
+@pytest.mark.parametrize("name", names("ds_checks_train"))
+def test_train(train_results: dict, name: str) -> None:
+    problem = report(train_results, name, 2)
+    assert problem is None, problem
+
+
+@pytest.mark.parametrize("name", names("ds_checks_load"))
+def test_load_at_one_rank(load_results: dict, name: str) -> None:
+    problem = report(load_results, name, 1)
+    assert problem is None, problem
