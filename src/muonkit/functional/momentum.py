@@ -21,5 +21,5 @@ def muon_momentum_(buffers: list[Tensor], grads: list[Tensor], *, momentum: floa
     grads32 = [g if g.dtype == b.dtype else g.to(b.dtype) for g, b in zip(grads, buffers, strict=True)]
     torch._foreach_lerp_(buffers, grads32, 1.0 - momentum)
     if nesterov:
-        return [g.lerp(b, momentum) for g, b in zip(grads32, buffers, strict=True)]
+        return list(torch._foreach_lerp(grads32, buffers, momentum))
     return [b.clone() for b in buffers]

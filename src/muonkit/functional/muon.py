@@ -71,10 +71,13 @@ def muon_directions(
 
 def muon_apply_(params: Sequence[Tensor], directions: Sequence[Tensor], *, lr: float, weight_decay: float) -> None:
     """``W <- W*(1 - lr*wd) - lr*D`` in place; low-precision params go through fp32."""
-    for p, d in zip(params, directions, strict=True):
-        work = p if p.dtype == torch.float32 or p.dtype == torch.float64 else p.float()
-        if weight_decay != 0:
-            work.mul_(1.0 - lr * weight_decay)
-        work.add_(d.to(work.dtype), alpha=-lr)
-        if work is not p:
-            p.copy_(work)
+    if not params:
+        return
+    work = [p if p.dtype in (torch.float32, torch.float64) else p.float() for p in params]
+    dirs = [d if d.dtype == w.dtype else d.to(w.dtype) for d, w in zip(directions, work, strict=True)]
+    if weight_decay != 0:
+        torch._foreach_mul_(work, 1.0 - lr * weight_decay)
+    torch._foreach_add_(work, dirs, alpha=-lr)
+    for p, w in zip(params, work, strict=True):
+        if w is not p:
+            p.copy_(w)
