@@ -1,0 +1,113 @@
+"""The printed table and the plot of ``muonkit bench nanogpt --sweep`` (see :mod:`muonkit.bench.sweep`)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+ARM_NAMES = {"adamw": "AdamW, N", "muon": "HybridMuon, N", "muon_short": "HybridMuon, 0.74 N"}
+COLORS = {"adamw": "tab:blue", "muon": "tab:orange", "muon_short": "tab:green"}
+
+
+def finite_json(value: Any) -> Any:
+    """``value`` with every non-finite float replaced by None (strict JSON), recursively."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(k): finite_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_json(v) for v in value]
+    return value
+
+
+def _pm(s: dict[str, Any], digits: int = 4) -> str:
+    if not s["n"]:
+        return "diverged"
+    return f"{s['mean']:.{digits}f} ± {s['std']:.{digits}f} [{s['min']:.{digits}f}, {s['max']:.{digits}f}]"
+
+
+def format_summary(report: dict[str, Any]) -> str:
+    plan, sweep, summary = report["plan"], report["sweep"], report["summary"]
+    lines = [f"lr sweep at {plan['sweep_steps']} steps (seed {plan['seeds'][0]}), final val loss:"]
+    for name, key in (("AdamW lr", "adamw"), ("Muon lr", "muon")):
+        cells = "  ".join(f"{lr}: {_loss(r['final_val_loss'])}" for lr, r in sweep[key].items())
+        lines.append(f"  {name:<9} {cells}")
+    lines.append(
+        f"  best: AdamW lr {sweep['best_adamw_lr']}, Muon lr {sweep['best_muon_lr']} (AdamW groups at AdamW's)"
+    )
+    lines += [
+        "",
+        f"full runs, seeds {list(plan['seeds'])} (mean ± sample std [min, max]):",
+        f"  {'arm':<20} {'steps':>6} {'final val loss':<38} {'opt step ms':>12} {'opt share':>10} {'train s':>9}",
+    ]
+    for arm, s in summary["arms"].items():
+        lines.append(
+            f"  {ARM_NAMES[arm]:<20} {s['steps']:>6} {_pm(s['final_val_loss']):<38} "
+            f"{s['optimizer_step_ms']['mean']:>12.1f} {s['optimizer_share_of_train_time']['mean']:>10.1%} "
+            f"{s['train_time_s']['mean']:>9.0f}"
+        )
+    lines += ["", f"AdamW's mean final val loss (the target): {summary['target_val_loss']:.4f}"]
+    if summary["muon_tokens_to_target"] is None:
+        lines.append("  HybridMuon at N did not reach it in every seed (no token ratio).")
+    else:
+        lines.append(
+            f"  HybridMuon at N reaches it after {summary['muon_tokens_to_target']:,.0f} tokens "
+            f"vs AdamW's {summary['adamw_tokens']:,.0f}: {summary['token_ratio']:.2f}x fewer tokens; "
+            f"wall-clock (training only) {summary['time_ratio']:.2f}x"
+        )
+    short = summary["short_minus_target"]
+    reached = sum(summary["short_reaches_target"])
+    lines.append(
+        f"  HybridMuon at 0.74 N: final minus target {short['mean']:+.4f} ± {short['std']:.4f}; "
+        f"reaches the target in {reached}/{len(summary['short_reaches_target'])} seeds"
+    )
+    return "\n".join(lines)
+
+
+def _loss(v: float | None) -> str:
+    return "div" if v is None or not math.isfinite(v) else f"{v:.4f}"
+
+
+def plot_sweep(report: dict[str, Any], path: str | Path) -> None:
+    """Left: final val loss against lr (the sweep). Right: val loss against tokens (the full runs)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8), dpi=120)
+    for key, label, color in (("adamw", "AdamW (lr)", "tab:blue"), ("muon", "HybridMuon (Muon lr)", "tab:orange")):
+        points = [(float(lr), r["final_val_loss"]) for lr, r in report["sweep"][key].items()]
+        points = [(lr, v) for lr, v in points if v is not None and math.isfinite(v)]
+        if points:
+            left.plot(*zip(*points, strict=True), "o-", color=color, label=label)
+    left.set_xscale("log")
+    left.set_xlabel("learning rate")
+    left.set_ylabel(f"final val loss after {report['plan']['sweep_steps']} steps")
+    left.set_title("lr sweep (seed 0)")
+    left.grid(alpha=0.3)
+    left.legend(fontsize=8)
+    finals = []
+    for arm, runs in report["runs"].items():
+        for i, r in enumerate(runs):
+            vals = [v if v is not None and math.isfinite(v) else math.nan for v in r["val_loss"]]
+            finals += [v for v in vals[1:] if math.isfinite(v)]
+            right.plot(
+                [t / 1e6 for t in r["eval_tokens"]], vals, "-", color=COLORS[arm], lw=1.4, alpha=0.8,
+                label=ARM_NAMES[arm] if i == 0 else None,
+            )  # fmt: skip
+    target = report["summary"]["target_val_loss"]
+    if target is not None and math.isfinite(target):
+        right.axhline(target, color="gray", ls="--", lw=0.8, label="AdamW mean final")
+    if finals:
+        low = min(finals)
+        right.set_ylim(low - 0.05, low + max(1.0, 0.5 * (max(finals) - low)))
+    right.set_xlabel("training tokens (millions)")
+    right.set_ylabel("val loss (nats/token)")
+    right.set_title("full runs, every seed")
+    right.grid(alpha=0.3)
+    right.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

@@ -1,0 +1,68 @@
+"""`muonkit bench nanogpt --sweep`: the protocol at tiny size, the summary arithmetic, the stats."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from muonkit.bench import stats, sweep
+
+
+def fake_run(seed: int, val: list[float], steps: int = 10, wall: float = 10.0) -> SimpleNamespace:
+    config = SimpleNamespace(seed=seed, tokens_per_step=100, steps=steps, lr=0.02, adamw_lr=1e-3)
+    evals = [round(i * steps / (len(val) - 1)) for i in range(len(val))]
+    return SimpleNamespace(
+        config=config, train_loss=[1.0] * steps, eval_steps=evals, val_loss=val, final_val_loss=val[-1],
+        wall_time_s=wall, eval_time_s=0.0, optimizer_step_ms=2.0, optimizer_time_s=1.0,
+    )  # fmt: skip
+
+
+def test_summary_reads_tokens_to_adamw_loss_off_the_curve() -> None:
+    full = {
+        "adamw": [fake_run(0, [5.0, 4.0, 3.0]), fake_run(1, [5.0, 4.2, 3.2])],  # target: mean 3.1
+        "muon": [fake_run(0, [5.0, 3.1, 2.5]), fake_run(1, [5.0, 3.5, 2.7])],
+        "muon_short": [fake_run(0, [5.0, 3.0], steps=7), fake_run(1, [5.0, 3.2], steps=7)],
+    }
+    s = sweep.summarize(full)  # type: ignore[arg-type]
+    assert s["target_val_loss"] == pytest.approx(3.1)
+    # seed 0 reaches 3.1 exactly at step 5; seed 1 between steps 5 (3.5) and 10 (2.7): 5 + 5 * 0.4/0.8 = 7.5
+    assert [r["steps"] for r in s["muon_reach"]] == pytest.approx([5.0, 7.5])
+    assert s["muon_tokens_to_target"] == pytest.approx(625.0)
+    assert s["token_ratio"] == pytest.approx(1000 / 625)
+    assert s["short_reaches_target"] == [True, False]
+    assert s["arms"]["adamw"]["final_val_loss"]["std"] == pytest.approx(math.sqrt(0.02))
+
+
+def test_t_interval_and_binomial_noise() -> None:
+    ci = stats.t_interval([0.80, 0.82, 0.84])
+    assert ci["half_width"] == pytest.approx(4.303 * 0.02 / math.sqrt(3), rel=1e-6)
+    assert math.isnan(stats.t_interval([0.5])["half_width"])
+    assert stats.binomial_half_width(0.5, 100) == pytest.approx(0.098)
+    assert stats.spread([1.0, math.inf])["diverged"] == 1
+
+
+def test_tiny_sweep_end_to_end(tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    sweep.add_sweep_arguments(parser)
+    parser.add_argument("--out")
+    parser.add_argument("--steps", type=int)
+    parser.add_argument("--no-progress", action="store_true")
+    argv = ["--sweep", "tiny", "--out", str(tmp_path), "--steps", "12", "--no-progress"]
+    args = parser.parse_args([*argv, "--adamw-lrs", "3e-3,1e-2", "--muon-lrs", "0.03"])
+    assert sweep.main(args) == 0
+    report = json.loads((tmp_path / "sweep.json").read_text())
+    assert (tmp_path / "sweep.png").stat().st_size > 0
+    assert set(report["sweep"]["adamw"]) == {"0.003", "0.01"}
+    assert report["plan"]["sweep_steps"] == 6 and report["plan"]["short_steps"] == 9
+    for arm, runs in report["runs"].items():
+        assert len(runs) == 2, arm  # two seeds
+        for r in runs:
+            assert all(math.isfinite(v) for v in r["val_loss"])
+            assert r["val_loss"][-1] < r["val_loss"][0]  # it learns
+    assert report["summary"]["arms"]["muon_short"]["steps"] == 9
+    assert report["environment"]["torch"]
