@@ -57,12 +57,13 @@ def _new_group(
     adamw_options: Mapping[str, Any] | None,
 ) -> dict[str, Any]:
     group: dict[str, Any] = {"params": [], "param_names": [], "algorithm": r.algorithm}
+    # The options win: muon_options={"weight_decay": 0.1} must not clash with the keyword.
     if r.algorithm == "muon":
-        group.update(
-            lr=lr, weight_decay=weight_decay, layout=r.layout, split_sizes=r.split_sizes, **(muon_options or {})
-        )
+        group.update({"lr": lr, "weight_decay": weight_decay, "layout": r.layout, "split_sizes": r.split_sizes})
+        group.update(muon_options or {})
     else:
-        group.update(lr=adamw_lr, weight_decay=adamw_weight_decay, **(adamw_options or {}))
+        group.update({"lr": adamw_lr, "weight_decay": adamw_weight_decay})
+        group.update(adamw_options or {})
     return group
 
 
