@@ -167,6 +167,19 @@ def test_param_groups_cover_every_param_once(models: dict[str, nn.Module], kind:
             assert (g["lr"], g["weight_decay"]) == (1e-3, 0.01)
 
 
+def test_param_groups_options_override_the_keywords(models: dict[str, nn.Module]) -> None:
+    groups = muonkit.param_groups(
+        models["llama"],
+        weight_decay=0.1,
+        muon_options={"weight_decay": 0.0, "adjust_lr": "match_adamw"},
+        adamw_options={"lr": 1e-3, "betas": (0.9, 0.99)},
+    )
+    muon = next(g for g in groups if g["algorithm"] == "muon")
+    adamw = next(g for g in groups if g["algorithm"] == "adamw")
+    assert (muon["weight_decay"], muon["adjust_lr"], muon["lr"]) == (0.0, "match_adamw", 0.02)
+    assert (adamw["lr"], adamw["betas"]) == (1e-3, (0.9, 0.99))
+
+
 def _batch(kind: str) -> tuple[tuple[Any, ...], dict[str, Any]]:
     g = torch.Generator().manual_seed(0)
     if kind == "convnet":
