@@ -1,8 +1,9 @@
 """DeepSpeed ZeRO-1/2/3 with muonkit: 2-rank training checks, then 1-rank checkpoint loading.
 
 See ds_checks_train (equivalence with the single-device reference, exactly-once, traffic,
-schedulers, unsupported configurations, bit-identical resume) and ds_checks_load (a 2-rank
-checkpoint at 1 rank: the documented error, the conversion, the loaded state).
+schedulers, unsupported configurations, bit-identical resume), ds_checks_load (a 2-rank
+checkpoint at 1 rank: the documented error, the conversion, the loaded state) and ds_checks_hf
+(the Hugging Face Trainer driving DeepSpeed).
 """
 
 from __future__ import annotations
@@ -38,6 +39,12 @@ def load_results(shared: Path, train_results: dict) -> dict:
     return launch("ds_checks_load", world_size=1, out_dir=shared.parent / "ds_load", shared=shared)
 
 
+@pytest.fixture(scope="module")
+def hf_results(shared: Path) -> dict:
+    pytest.importorskip("transformers", reason="the hf extra is not installed (pip install 'muonkit[hf]')")
+    return launch("ds_checks_hf", world_size=2, out_dir=shared.parent / "ds_hf", shared=shared)
+
+
 @pytest.mark.parametrize("name", names("ds_checks_train"))
 def test_train(train_results: dict, name: str) -> None:
     problem = report(train_results, name, 2)
@@ -47,4 +54,10 @@ def test_train(train_results: dict, name: str) -> None:
 @pytest.mark.parametrize("name", names("ds_checks_load"))
 def test_load_at_one_rank(load_results: dict, name: str) -> None:
     problem = report(load_results, name, 1)
+    assert problem is None, problem
+
+
+@pytest.mark.parametrize("name", names("ds_checks_hf"))
+def test_hugging_face_trainer(hf_results: dict, name: str) -> None:
+    problem = report(hf_results, name, 2)
     assert problem is None, problem

@@ -1,0 +1,64 @@
+"""The Hugging Face Trainer drives DeepSpeed ZeRO-2 with muonkit (2 ranks), via ``trainer_setup``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from ds_common import GA, Net, batch, config, muon_matrices
+from ds_worker import Context, check, quiet_deepspeed
+from torch import Tensor, nn
+
+
+class _LM(nn.Module):
+    """The test Net with the Trainer's calling convention (keyword inputs, a dict with the loss)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = Net()
+
+    def forward(self, input_ids: Tensor, labels: Tensor) -> dict[str, Tensor]:
+        return {"loss": self.net(input_ids, labels)}
+
+
+@check
+def trainer_trains_with_muonkit_on_zero2(ctx: Context) -> None:
+    quiet_deepspeed()
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from muonkit.integrations import deepspeed as mk_ds
+
+    steps = 3
+    data = [
+        {"input_ids": x, "labels": y}
+        for s in range(steps * 2)
+        for m in range(GA)
+        for x, y in zip(*batch(s, m, 0), strict=True)
+    ]
+    setup = mk_ds.trainer_setup(config(2, bf16=True))
+    args = TrainingArguments(
+        output_dir=str(ctx.out_dir / "hf"), per_device_train_batch_size=4, gradient_accumulation_steps=GA,
+        max_steps=steps, deepspeed=setup.deepspeed, report_to=[], save_strategy="no", seed=0,
+        lr_scheduler_type="constant", bf16=True, use_cpu=True, logging_steps=1,
+    )  # fmt: skip
+    seen: list[dict[str, float]] = []
+
+    class RecordLr(TrainerCallback):
+        def on_step_end(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kw: Any) -> None:
+            seen.append({g["algorithm"]: g["lr"] for g in optimizer.param_groups})
+
+    torch.manual_seed(0)
+    model = _LM()
+    kwargs = setup.trainer_kwargs()
+    kwargs["callbacks"].append(RecordLr())
+    trainer = Trainer(model=model, args=args, train_dataset=data, **kwargs)
+    trainer.train()
+    hybrid = trainer.model_wrapped.optimizer.optimizer
+    assert hybrid.strategy.name == "zero", hybrid.strategy
+    total = torch.tensor([hybrid.strategy.stats.matrices])
+    dist.all_reduce(total)
+    assert total.item() == steps * muon_matrices(model), total.item()
+    assert seen and all(s == {"muon": 0.02, "adamw": 3e-3} for s in seen), seen
+    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    assert losses and all(torch.isfinite(torch.tensor(losses))), losses
