@@ -13,7 +13,7 @@ expert of a fused MoE tensor). Everything else goes to AdamW. The built-in rules
       output / output_layer (tied heads share the embedding's
       tensor and are caught by rule 1)
 3     fewer than 2 dims: norms, biases, scalars, gains            adamw
-4     MoE router (``*.gate`` / ``*.router`` / ``*Router``)        adamw
+4     MoE router (``*.gate`` / ``*.router(.*)`` / ``*Router``)   adamw
 5     ``nn.Linear`` weight                                        muon       matrix
 6     transformers ``Conv1D`` weight, stored (in, out)            muon       transposed
 7     ``nn.MultiheadAttention`` ``in_proj_weight`` (fused QKV)    muon       matrix
@@ -134,7 +134,8 @@ def _route_one(
         return Route(name, shape, "adamw", "output head")
     if len(shape) < 2:
         return Route(name, shape, "adamw", _vector_reason(name, module))
-    if leaf in _ROUTER_NAMES or "Router" in cls:
+    # DBRX-style routers wrap their Linear (ffn.router.layer): any ancestor named router counts.
+    if leaf in _ROUTER_NAMES or "Router" in cls or "router" in module_name.lower().split("."):
         return Route(name, shape, "adamw", "MoE router")
     if isinstance(module, nn.Linear) and len(shape) == 2:
         return _matrix_route(name, shape, "matrix", "hidden Linear", leaf, split_qkv, config)
