@@ -44,6 +44,37 @@ class ConvNet(nn.Module):
         return self.head(torch.relu(self.hidden(x.mean(dim=(2, 3))))) / self.temperature
 
 
+class TopKRouter(nn.Module):  # owns its weight, like transformers' MixtralTopKRouter
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 16))
+
+
+class ToyExperts(nn.Module):  # fused (experts, out, in) weights, like transformers 5.x
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Parameter(torch.randn(4, 32, 16))
+        self.down = nn.Parameter(torch.randn(4, 16, 32))
+
+
+class ToyMoE(nn.Module):
+    """Routers found by class name (``select``) and by an ancestor named router (DBRX's ffn.router.layer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.select = TopKRouter()
+        self.router = nn.ModuleDict({"layer": nn.Linear(16, 4, bias=False)})
+        self.moe = ToyExperts()
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self) -> torch.Tensor:
+        h = self.proj(torch.ones(2, 16))
+        gates = torch.softmax(h @ self.select.weight.T + self.router["layer"](h), dim=-1)  # (batch, experts)
+        y = torch.einsum("eoi,bi->ebo", self.moe.up, h).relu()
+        y = torch.einsum("eoi,ebi->ebo", self.moe.down, y)
+        return torch.einsum("be,ebo->bo", gates, y)
+
+
 def _build(kind: str) -> nn.Module:
     t = transformers
     if kind == "gpt2":
@@ -68,6 +99,8 @@ def _build(kind: str) -> nn.Module:
     if kind == "torch_transformer":
         layer = nn.TransformerEncoderLayer(32, 4, 64, batch_first=True)
         return nn.Sequential(nn.Embedding(97, 32), nn.TransformerEncoder(layer, 1), nn.Linear(32, 5))
+    if kind == "toy_moe":
+        return ToyMoE()
     assert kind == "convnet"
     return ConvNet()
 
@@ -108,6 +141,12 @@ EXPECTED: dict[str, list[tuple[str, tuple[str, str]]]] = {
         (r"^0\.weight$|bias$|norm\d\.", ADAMW),
         (r"self_attn\.in_proj_weight$|out_proj\.weight$|linear\d\.weight$", ("muon", "matrix")),
         (r"^2\.weight$", ("muon", "matrix")),  # an unnamed last Linear is not known to be a head: use rules=
+    ],
+    "toy_moe": [
+        (r"^(select\.weight|router\.layer\.weight)$", ADAMW),
+        (r"^moe\.(up|down)$", ("muon", "experts")),
+        (r"^proj\.weight$", ("muon", "matrix")),
+        (r"^proj\.bias$", ADAMW),
     ],
     "convnet": [
         (r"^(stem|conv)\.weight$", ("muon", "flatten")),
@@ -184,6 +223,8 @@ def _batch(kind: str) -> tuple[tuple[Any, ...], dict[str, Any]]:
     g = torch.Generator().manual_seed(0)
     if kind == "convnet":
         return (torch.randn(2, 3, 8, 8, generator=g),), {}
+    if kind == "toy_moe":
+        return (), {}
     if kind == "torch_transformer":
         return (torch.randint(0, 97, (2, 8), generator=g),), {}
     ids = torch.randint(0, 97, (2, 8), generator=g)
