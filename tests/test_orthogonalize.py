@@ -135,7 +135,9 @@ def test_tall_equals_transposed_wide(dtype: torch.dtype) -> None:
     x = torch.randn(4, 40, 16)
     tall = muonkit.orthogonalize(x, dtype=dtype)
     wide = muonkit.orthogonalize(x.mT.contiguous(), dtype=dtype)
-    torch.testing.assert_close(tall, wide.mT, rtol=0, atol=1e-6 if dtype == torch.float32 else 1e-2)
+    # The tall input reaches the products as a transposed view, the wide one contiguous: BLAS
+    # may sum in another order (measured up to 1.4e-6 in fp32; 0 in bf16).
+    torch.testing.assert_close(tall, wide.mT, rtol=0, atol=1e-5 if dtype == torch.float32 else 1e-2)
 
 
 def test_explicit_schedules_equal_the_presets() -> None:
