@@ -49,7 +49,7 @@ def guard_load_checkpoint(engine: Any) -> None:
         resolved = tag if tag is not None else latest_tag(load_dir)
         if loads_state and resolved is not None:
             saved = saved_world_size(load_dir, resolved)
-            current = engine.dp_world_size
+            current = getattr(engine, "seq_dp_world_size", engine.dp_world_size)
             if saved and saved != current:
                 raise CheckpointWorldSizeError(
                     f"{os.path.join(load_dir, resolved)} holds optimizer state partitioned for {saved} data-parallel "
