@@ -99,3 +99,28 @@ def resume_single_device_from_fsdp2(ctx: Context) -> None:
 @check(1)
 def resume_single_device_from_ddp(ctx: Context) -> None:
     _resume(ctx, "single", "ddp")
+
+
+@check(2)
+def bf16_params_keep_fp32_states_through_a_checkpoint(ctx: Context) -> None:
+    zoo = [ParamSpec("muon", (12, 8), dtype=torch.bfloat16), ParamSpec("adamw", (5,), dtype=torch.bfloat16)]
+
+    def run(module: torch.nn.Module, opt: muonkit.HybridMuon, steps: range) -> None:
+        for step in steps:
+            set_grads(list(module.parameters()), zoo, step)
+            opt.step()
+
+    wrapped, module = build_module("ddp", zoo)
+    opt = muonkit.HybridMuon(group_dicts(list(module.parameters()), zoo), process_group=dist.group.WORLD)
+    run(module, opt, range(2))
+    save_checkpoint(ctx.shared / "ckpt_bf16", model=wrapped, optimizer=opt)
+    run(module, opt, range(2, 4))
+    expected = snapshot(list(module.parameters()), opt)
+    wrapped, module = build_module("ddp", zoo, seed_offset=3)
+    opt = muonkit.HybridMuon(group_dicts(list(module.parameters()), zoo), process_group=dist.group.WORLD)
+    load_checkpoint(ctx.shared / "ckpt_bf16", model=wrapped, optimizer=opt)
+    dtypes = {k: v.dtype for p in module.parameters() for k, v in opt.state[p].items() if k != "step"}
+    assert set(dtypes.values()) == {torch.float32}, dtypes
+    run(module, opt, range(2, 4))
+    problems = differences_to(snapshot(list(module.parameters()), opt), expected)
+    assert not problems, "\n".join(problems)
