@@ -57,14 +57,13 @@ def muon_directions(
             by_shape.setdefault((m.size(-2), m.size(-1)), []).append((ti, bi))
     results: list[list[Tensor]] = [[torch.empty(0)] * len(mats) for mats in pieces]
     for (rows, cols), members in by_shape.items():
-        stacked = torch.cat([pieces[ti][bi] for ti, bi in members], dim=0)
+        batch = [pieces[ti][bi] for ti, bi in members]
+        stacked = batch[0] if len(batch) == 1 else torch.cat(batch, dim=0)  # a lone matrix needs no copy
         if on_batch is not None:
             on_batch(stacked.size(0), rows, cols)
         out = options.orthogonalize(stacked)
         out.mul_(lr_scale(options.adjust_lr, rows, cols))
-        for (ti, bi), chunk in zip(
-            members, torch.split(out, [pieces[ti][bi].size(0) for ti, bi in members]), strict=True
-        ):
+        for (ti, bi), chunk in zip(members, torch.split(out, [m.size(0) for m in batch]), strict=True):
             results[ti][bi] = chunk
     return [layout.from_matrices(r, u.shape) for r, u, layout in zip(results, updates, layouts, strict=True)]
 
