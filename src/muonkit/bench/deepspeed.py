@@ -106,7 +106,7 @@ def format_report(report: dict[str, Any]) -> str:
     setup = report["setup"]
     head = (
         f"{'ZeRO':>4} {'method':<16} {'train loss':>10} {'val loss':>8} {'norm':>6} {'step ms':>8} {'iter ms':>8} "
-        f"{'MB bwd':>7} {'MB step':>7} {'GFLOP':>7} {'state MB':>8} {'NS/step':>7}"
+        f"{'MB bwd':>7} {'MB step':>7} {'GFLOP':>7} {'state MiB':>9} {'NS/step':>7}"
     )
     lines = [
         f"{setup['steps']} steps x {setup['ga']} micro-batches x {setup['batch']}x{setup['seq']} tokens per rank, "
@@ -123,7 +123,7 @@ def format_report(report: dict[str, Any]) -> str:
             lines.append(
                 f"{stage:>4} {method:<16} {r['train_loss_mean_over_ranks']:>10.3f} {r['val_loss']:>8.3f} {norm:>6.2f} "
                 f"{r['step_s'] * 1e3:>8.1f} {r['iter_s'] * 1e3:>8.1f} {r['backward_bytes'] / 1e6:>7.2f} "
-                f"{r['step_bytes'] / 1e6:>7.2f} {r['matmul_flops'] / 1e9:>7.1f} {r['state_bytes'] / 2**20:>8.2f} "
+                f"{r['step_bytes'] / 1e6:>7.2f} {r['matmul_flops'] / 1e9:>7.1f} {r['state_bytes'] / 2**20:>9.2f} "
                 f"{'-' if ns is None else f'{ns:.0f}':>7}"
             )
     for stage in setup["stages"]:
