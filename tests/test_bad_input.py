@@ -146,6 +146,19 @@ def test_bf16_gradients_are_checked_too() -> None:
     _assert_same(before, _snapshot(model, opt))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_huge_finite_gradient_is_not_mistaken_for_inf(dtype: torch.dtype) -> None:
+    """1e30 squared overflows the fast L2 check; the exact re-check must let the step through."""
+    model, opt = _setup("raise", dtype=dtype)
+    opt.zero_grad()
+    _loss(model).backward()
+    _poison(model, "adamw", 1e30)
+    before = model.norm.bias.detach().clone()
+    opt.step()
+    assert opt.skipped_steps == 0
+    assert not torch.equal(before, model.norm.bias) and torch.isfinite(model.norm.bias).all()
+
+
 def test_invalid_nonfinite_policy() -> None:
     with pytest.raises(
         ValueError, match=r"^Invalid nonfinite='ignore': must be one of \('skip', 'raise', 'unchecked'\)$"
