@@ -61,9 +61,20 @@ def _initialize(cfg: dict[str, Any], *, zero_init: bool = False, **kwargs: Any) 
 
 
 def _equivalent(
-    stage: int, *, bf16: bool, fp32_accumulation: bool, tol: float, norm_tol: float, muon_only: bool = False, **kw: Any
+    stage: int,
+    *,
+    bf16: bool,
+    fp32_accumulation: bool,
+    tol: float,
+    norm_tol: float,
+    muon_only: bool = False,
+    zero: dict[str, Any] | None = None,
+    read_module: bool = False,
+    **kw: Any,
 ) -> Any:
-    engine, init = _initialize(config(stage, bf16=bf16, fp32_accumulation=fp32_accumulation), **kw)
+    cfg = config(stage, bf16=bf16, fp32_accumulation=fp32_accumulation)
+    cfg["zero_optimization"].update(zero or {})
+    engine, init = _initialize(cfg, **kw)
     if bf16:  # DeepSpeed's fp32 master weights start from the bf16 model
         init = {n: t.to(torch.bfloat16).float() for n, t in init.items()}
     strategy = engine.optimizer.optimizer.strategy
@@ -71,7 +82,9 @@ def _equivalent(
     want, want_norms = reference(init, STEPS, world=dist.get_world_size(), bf16=bf16)
     for got, expected in zip(norms, want_norms, strict=True):  # DeepSpeed clips by the raw accumulated norm
         assert abs(got - expected) <= norm_tol * expected, f"grad norm {got} vs raw {expected}"
-    errors = update_errors(full_params(engine), want, init)
+    # read_module: at fp32 ZeRO-1/2 the module holds the gathered fp32 weights themselves
+    module = {n: p.detach().clone() for n, p in engine.module.named_parameters()} if read_module else None
+    errors = update_errors(module or full_params(engine), want, init)
     if muon_only:
         muon = {r.name for r in muonkit.explain(want).routes if r.algorithm == "muon"}
         errors = {k: v for k, v in errors.items() if k in muon}
@@ -147,6 +160,22 @@ def zero3_zero_init_routes_by_ds_shape(ctx: Context) -> None:
     hybrid = engine.optimizer.optimizer
     names = [n for g in hybrid.param_groups if g["algorithm"] == "muon" for n in g["param_names"]]
     assert len(names) == 9 and all(n.endswith(("attn.weight", "fc1.weight", "fc2.weight")) for n in names), names
+
+
+@check
+def zero2_round_robin_gradients_match(ctx: Context) -> None:
+    # round_robin_gradients reorders each flat group by rank: the layout must follow DeepSpeed's order.
+    # DeepSpeed's safe_get_full_fp32_param returns wrong slices in this mode (with its own AdamW too).
+    rr = {"round_robin_gradients": True}
+    engine = _equivalent(2, bf16=False, fp32_accumulation=False, tol=1e-4, norm_tol=1e-5, zero=rr, read_module=True)
+    _assert_split_matrix(engine)
+
+
+@check
+def zero3_sub_groups_match(ctx: Context) -> None:
+    # sub_group_size below a group's partition: DeepSpeed steps each sub-group on its own
+    engine = _equivalent(3, bf16=False, fp32_accumulation=False, tol=1e-4, norm_tol=1e-5, zero={"sub_group_size": 4000})
+    assert len(engine.optimizer.optimizer.strategy.partitions) > 2
 
 
 @check
