@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from ds_common import (
+    OPTIONS,
     Net,
     config,
     full_params,
@@ -244,6 +245,27 @@ def unset_optimizer_never_silently_steps(ctx: Context) -> None:
         assert "never set up" in str(e), e
     else:
         raise AssertionError("a HybridMuon DeepSpeed never bound must refuse to step")
+
+
+@check
+def install_after_plain_deepspeed_initialize(ctx: Context) -> None:
+    quiet_deepspeed()
+    import deepspeed
+    from muonkit.integrations.deepspeed import hybrid_muon, install
+
+    model = Net()
+    cfg = config(3)
+    del cfg["optimizer"]
+    optimizer = hybrid_muon(model, OPTIONS)
+    engine, *_ = deepspeed.initialize(
+        model=model, optimizer=optimizer, config=cfg | {"zero_allow_untested_optimizer": True}
+    )
+    strategy = install(engine)
+    train(engine, 2)
+    total = torch.tensor([strategy.stats.matrices])
+    dist.all_reduce(total)
+    assert total.item() == 2 * 9, total.item()
+    assert engine.load_checkpoint.__wrapped__ is not None  # install(engine) also guards checkpoint loading
 
 
 def _resume_bit_identical(ctx: Context, stage: int, name: str, **cfg_kw: Any) -> None:

@@ -124,7 +124,6 @@ def initialize(
         mesh_param=mesh_param,
     )
     install(engine)
-    guard_load_checkpoint(engine)
     return engine, ds_optimizer, loader, scheduler
 
 
@@ -201,6 +200,8 @@ def install(engine_or_optimizer: Any) -> ZeroStrategy:
     """Bind the HybridMuon inside a DeepSpeed engine (or ZeRO optimizer) to DeepSpeed's partitions.
 
     Accepts the engine, its ``optimizer`` (the ZeRO wrapper) or accelerate's wrapper of that.
+    Given the engine, also makes ``engine.load_checkpoint`` refuse a checkpoint saved at another
+    world size with the conversion command (see :mod:`muonkit.integrations.deepspeed_checkpoint`).
     Returns the installed :class:`ZeroStrategy`.
     """
     chain, obj = [], engine_or_optimizer
@@ -215,6 +216,8 @@ def install(engine_or_optimizer: Any) -> ZeroStrategy:
     for flat, layout in layouts:
         strategy.bind(flat, layout)
     obj.set_strategy(strategy)
+    if hasattr(engine_or_optimizer, "load_checkpoint") and hasattr(engine_or_optimizer, "dp_world_size"):
+        guard_load_checkpoint(engine_or_optimizer)
     logger.info(
         "muonkit: %s with %d flat partitions over %d ranks", type(zero).__name__, len(layouts), strategy.world_size
     )
