@@ -96,6 +96,7 @@ def format_table(results: dict[str, RunResult], comparison: Comparison) -> str:
         "steps to AdamW's loss",
         "tokens to AdamW's loss",
         "wall s",
+        "cpu s",
         "opt ms/step",
         "opt state",
     )
@@ -107,7 +108,7 @@ def format_table(results: dict[str, RunResult], comparison: Comparison) -> str:
         else:
             reach = (f"{len(r.train_loss):,}", f"{len(r.train_loss) * r.config.tokens_per_step / 1e6:.2f}M")
         rows.append((
-            name, f"{r.final_val_loss:.4f}", *reach, f"{r.wall_time_s:.0f}", f"{r.optimizer_step_ms:.1f}",
+            name, f"{r.final_val_loss:.4f}", *reach, f"{r.wall_time_s:.0f}", f"{r.cpu_time_s:.0f}", f"{r.optimizer_step_ms:.1f}",
             f"{r.optimizer_state_bytes / 2**20:.2f} MiB",
         ))  # fmt: skip
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]

@@ -74,7 +74,12 @@ class TrainData(Protocol):
 
 @dataclass(frozen=True)
 class RunConfig:
-    """One training run. Defaults: the demo preset's hyperparameters.
+    """One training run. The defaults are ``muonkit bench nanogpt --preset demo``.
+
+    The two learning rates come from short sweeps at the demo size (300 steps, BENCHMARKS.md):
+    AdamW 1e-3 was the best of {5e-4, 1e-3, 2e-3, 4e-3}; Muon 0.01 and 0.02 tied, 0.04 was
+    worse, and 0.02 is Keller's and muonkit's default. ``muonkit bench nanogpt --sweep`` tunes
+    both properly, over seeds.
 
     Args:
         model: the GPT's shape (``vocab_size`` must match the data).
@@ -100,7 +105,7 @@ class RunConfig:
     model: GPTConfig = field(default_factory=GPTConfig)
     optimizer: OptimizerName = "muon"
     lr: float = 0.02
-    adamw_lr: float = 2e-3
+    adamw_lr: float = 1e-3
     weight_decay: float = 0.0
     adamw_weight_decay: float = 0.1
     betas: tuple[float, float] = (0.9, 0.95)
@@ -110,7 +115,7 @@ class RunConfig:
     adjust_lr: str | None = "keller"
     split_qkv: bool = False
     steps: int = 600
-    batch_size: int = 32
+    batch_size: int = 16
     warmup_frac: float = 0.05
     decay_frac: float = 0.3
     grad_clip: float | None = 1.0
@@ -178,6 +183,9 @@ class RunResult:
     """Seconds of each ``optimizer.step()`` call alone (synchronized)."""
     wall_time_s: float = 0.0
     """The whole loop: batches, forward, backward, clipping, optimizer, evaluations."""
+    cpu_time_s: float = 0.0
+    """CPU seconds of this process over the same loop (all threads): on a shared machine, less
+    sensitive to other jobs than wall time."""
     eval_time_s: float = 0.0
     optimizer_state_bytes: int = 0
     num_params: int = 0
@@ -337,7 +345,7 @@ def train(
     result.muon_params = sum(
         p.numel() for g in optimizer.param_groups if g.get("algorithm") == "muon" for p in g["params"]
     )
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     _record_eval(result, model, val_set, 0, on_eval)
     bar = _bar(config, progress)
     for step in bar:
@@ -368,6 +376,7 @@ def train(
             _record_eval(result, model, val_set, step + 1, on_eval)
             bar.set_postfix(loss=f"{loss_value:.3f}", val=f"{result.val_loss[-1]:.3f}")
     result.wall_time_s = time.perf_counter() - start
+    result.cpu_time_s = time.process_time() - cpu_start
     result.optimizer_state_bytes = optimizer_state_bytes(optimizer)
     return result
 
