@@ -94,7 +94,8 @@ def pretrain(preset: dict[str, Any], args: argparse.Namespace) -> tuple[dict[str
     run = {**preset["pretrain"], "device": args.device}
     if args.pretrain_steps:
         run["steps"] = args.pretrain_steps
-    base = RunConfig(model=GPTConfig(vocab_size=corpus.vocab_size, **preset["model"]), **run)
+    model = {**preset["model"], **{k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd") if getattr(args, k)}}
+    base = RunConfig(model=GPTConfig(vocab_size=corpus.vocab_size, **model), **run)
     models: dict[str, Any] = {}
     summary: dict[str, Any] = {}
     for opt in OPTIMIZERS:
@@ -116,7 +117,9 @@ def gpt_finetunes(preset: dict[str, Any], args: argparse.Namespace, seeds: tuple
 
     models, pre_summary, corpus = pretrain(preset, args)
     block = preset["model"]["block_size"]
-    splits = task_splits(args.tasks or preset["tasks"], max_train=preset["max_train"], max_test=preset["max_test"])
+    max_train = args.max_train or preset["max_train"]
+    max_test = args.max_test or preset["max_test"]
+    splits = task_splits(args.tasks or preset["tasks"], max_train=max_train, max_test=max_test)
     results: dict[str, Any] = {}
     for task, (train, test) in splits.items():
         ids = {
@@ -146,7 +149,8 @@ def minilm_finetunes(preset: dict[str, Any], args: argparse.Namespace) -> dict[s
 
     spec = preset["minilm"]
     seeds = tuple(int(s) for s in args.minilm_seeds.split(",")) if args.minilm_seeds else spec["seeds"]
-    splits = task_splits(args.tasks or spec["tasks"], max_train=spec["max_train"], max_test=spec["max_test"])
+    max_train = args.minilm_max_train or spec["max_train"]
+    splits = task_splits(args.tasks or spec["tasks"], max_train=max_train, max_test=args.max_test or spec["max_test"])
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for task, (train, test) in splits.items():
@@ -181,6 +185,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seeds", help="comma-separated fine-tuning seeds of the GPT part (default: the preset's)")
     parser.add_argument("--minilm-seeds", help="comma-separated seeds of the MiniLM part (default: the preset's)")
     parser.add_argument("--pretrain-steps", type=int, help="override the preset's pretraining steps")
+    for name in ("n_layer", "n_head", "n_embd"):
+        parser.add_argument("--" + name.replace("_", "-"), type=int, help=f"override the preset GPT's {name}")
+    parser.add_argument("--max-train", type=int, help="at most this many training examples per task (GPT part)")
+    parser.add_argument("--max-test", type=int, help="at most this many test examples per task (both parts)")
+    parser.add_argument("--minilm-max-train", type=int, help="at most this many training examples per task (MiniLM)")
     parser.add_argument("--no-gpt", action="store_true", help="skip the GPT pretrain + fine-tune part")
     parser.add_argument("--no-minilm", action="store_true", help="skip the MiniLM part")
     parser.add_argument("--device", default="cpu")

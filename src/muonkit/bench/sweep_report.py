@@ -36,6 +36,10 @@ def format_summary(report: dict[str, Any]) -> str:
     lines.append(
         f"  best: AdamW lr {sweep['best_adamw_lr']}, Muon lr {sweep['best_muon_lr']} (AdamW groups at AdamW's)"
     )
+    for name, key, best in (("AdamW", "adamw", sweep["best_adamw_lr"]), ("Muon", "muon", sweep["best_muon_lr"])):
+        grid = sorted(float(lr) for lr in sweep[key])
+        if len(grid) > 1 and best in (grid[0], grid[-1]):
+            lines.append(f"  NOTE: the best {name} lr {best} is at the edge of the grid {grid}: widen it to be sure")
     lines += [
         "",
         f"full runs, seeds {list(plan['seeds'])} (mean ± sample std [min, max]):",
