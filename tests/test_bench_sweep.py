@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 from pathlib import Path
@@ -11,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from muonkit.bench import stats, sweep
+from muonkit.cli import main
 
 
 def fake_run(seed: int, val: list[float], steps: int = 10, wall: float = 10.0) -> SimpleNamespace:
@@ -47,14 +47,8 @@ def test_t_interval_and_binomial_noise() -> None:
 
 
 def test_tiny_sweep_end_to_end(tmp_path: Path) -> None:
-    parser = argparse.ArgumentParser()
-    sweep.add_sweep_arguments(parser)
-    parser.add_argument("--out")
-    parser.add_argument("--steps", type=int)
-    parser.add_argument("--no-progress", action="store_true")
-    argv = ["--sweep", "tiny", "--out", str(tmp_path), "--steps", "12", "--no-progress"]
-    args = parser.parse_args([*argv, "--adamw-lrs", "3e-3,1e-2", "--muon-lrs", "0.03"])
-    assert sweep.main(args) == 0
+    argv = ["bench", "nanogpt", "--sweep", "tiny", "--out", str(tmp_path), "--steps", "12", "--no-progress"]
+    assert main([*argv, "--adamw-lrs", "3e-3,1e-2", "--muon-lrs", "0.03"]) == 0
     report = json.loads((tmp_path / "sweep.json").read_text())
     assert (tmp_path / "sweep.png").stat().st_size > 0
     assert set(report["sweep"]["adamw"]) == {"0.003", "0.01"}
