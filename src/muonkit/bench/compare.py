@@ -166,10 +166,10 @@ def plot_curves(results: dict[str, RunResult], comparison: Comparison, path: str
     reached = comparison.muon_tokens_to_adamw_loss
     if reached is not None:
         ax.axvline(reached / 1e6, color="gray", ls=":", lw=0.8, label="HybridMuon reaches it")
-    finals = [v for r in results.values() for v in r.val_loss if math.isfinite(v)]
-    if finals:  # the first evaluations sit near ln(vocab); zoom on the part that tells runs apart
-        low = min(finals)
-        ax.set_ylim(low - 0.1, low + max(1.5, 0.6 * (max(finals) - low)))
+    shown = [v for r in results.values() for v in (*r.val_loss, *smooth(r.train_loss)) if math.isfinite(v)]
+    if shown:  # the first evaluations sit near ln(vocab); zoom on the part that tells runs apart
+        low = min(shown)
+        ax.set_ylim(low - 0.05, low + max(1.5, 0.5 * (max(shown) - low)))
     ax.set_xlabel("training tokens (millions)")
     ax.set_ylabel("cross-entropy loss (nats/token)")
     ax.set_title("muonkit bench nanogpt: AdamW vs HybridMuon, same data and steps")
