@@ -60,3 +60,13 @@ def test_tiny_sweep_end_to_end(tmp_path: Path) -> None:
             assert r["val_loss"][-1] < r["val_loss"][0]  # it learns
     assert report["summary"]["arms"]["muon_short"]["steps"] == 9
     assert report["environment"]["torch"]
+
+
+def test_gpu_preset_builds_a_gpt2_small_body_on_cuda() -> None:
+    """The GPU preset is never run in CI (no GPU); check what it would run."""
+    args = SimpleNamespace(sweep="gpu", seeds=None, adamw_lrs=None, muon_lrs=None)
+    plan = sweep.plan_from_args(args, vocab_size=4096)  # type: ignore[arg-type]
+    model = plan.base.model
+    assert (model.n_layer, model.n_embd, model.n_head, model.block_size) == (12, 768, 12, 512)
+    assert plan.base.device == "cuda" and plan.base.autocast == "bf16" and plan.base.steps == 1000
+    assert plan.steps(plan.sweep_frac) == 300 and plan.steps(plan.short_frac) == 740
