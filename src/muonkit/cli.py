@@ -74,7 +74,7 @@ def _inspect(args: argparse.Namespace) -> int:
         from muonkit.bench.model import GPT, GPTConfig
 
         with torch.device("meta"):
-            model = GPT(GPTConfig())
+            model: torch.nn.Module = GPT(GPTConfig())
     else:
         from muonkit.integrations.transformers import model_from_config
 
