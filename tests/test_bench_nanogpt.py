@@ -208,7 +208,7 @@ def test_bench_nanogpt_tiny_smoke(tmp_path: Path, cache_dir: Path, corpus: Corpu
     assert main(argv) == 0
     report = json.loads((out / "nanogpt.json").read_text())
     assert (out / "nanogpt.png").stat().st_size > 10_000
-    assert set(report) >= {"comparison", "runs", "config", "corpus", "environment", "data_prep_s"}
+    assert set(report) >= {"preset", "comparison", "runs", "config", "corpus", "environment", "data_prep_s"}
     assert set(report["runs"]) == {"AdamW", "HybridMuon"}
     for run in report["runs"].values():
         assert {"final_val_loss", "val_loss", "eval_steps", "train_loss", "tokens", "wall_time_s",

@@ -116,7 +116,7 @@ def main(args: argparse.Namespace) -> int:
     print(format_table(results, comparison))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    report = _report(results, comparison, corpus.meta, data_s)
+    report = {"preset": args.preset, **_report(results, comparison, corpus.meta, data_s)}
     (out / "nanogpt.json").write_text(json.dumps(_finite(report), indent=2))
     if not args.no_plot:
         plot_curves(results, comparison, out / "nanogpt.png")
