@@ -44,8 +44,8 @@ def polar_factor(u: Tensor) -> Tensor:
 def newton_schulz(u: Tensor, schedule: Sequence[tuple[float, float, float]], norm_factor: float, eps: float) -> Tensor:
     """One matrix, float64, the iteration as documented in muonkit.functional.orthogonalize.
 
-    X = U / max|U|                  (scale only: makes tiny and huge inputs comparable)
-    X = X / (k * ||X||_F + eps)
+    X = U / max|U|                  (scale only: keeps 1e+-300 inputs finite in float64)
+    X = X / ((k + eps) * ||X||_F)   (scale-invariant; zero stays zero)
     repeat: A = X X^T;  X = a X + (b A + c A A) X      (on the short side)
     """
     x = u.to(F64)
@@ -55,7 +55,7 @@ def newton_schulz(u: Tensor, schedule: Sequence[tuple[float, float, float]], nor
     peak = x.abs().max()
     if peak > 0:
         x = x / peak
-    x = x / (norm_factor * torch.linalg.norm(x) + eps)
+        x = x / ((norm_factor + eps) * torch.linalg.norm(x))
     for a, b, c in schedule:
         gram = x @ x.T
         x = a * x + (b * gram + c * (gram @ gram)) @ x

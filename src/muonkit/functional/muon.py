@@ -18,7 +18,7 @@ from torch import Tensor
 
 from muonkit.functional.lr_scaling import lr_scale
 from muonkit.functional.matrices import MatrixLayout
-from muonkit.functional.orthogonalize import orthogonalize
+from muonkit.functional.orthogonalize import orthogonalize, orthogonalize_batches
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,18 @@ class NSOptions:
     def orthogonalize(self, x: Tensor) -> Tensor:
         return orthogonalize(
             x, coefficients=self.coefficients, steps=self.steps, eps=self.eps, dtype=self.dtype, method=self.method
+        )
+
+    def orthogonalize_batches(self, parts: Sequence[Tensor], *, rows: int, cols: int) -> Tensor:
+        """``lr_scale(rows, cols) * orthogonalize(cat(parts))`` for same-shape batches."""
+        return orthogonalize_batches(
+            parts,
+            coefficients=self.coefficients,
+            steps=self.steps,
+            eps=self.eps,
+            dtype=self.dtype,
+            method=self.method,
+            scale=lr_scale(self.adjust_lr, rows, cols),
         )
 
 
@@ -58,11 +70,9 @@ def muon_directions(
     results: list[list[Tensor]] = [[torch.empty(0)] * len(mats) for mats in pieces]
     for (rows, cols), members in by_shape.items():
         batch = [pieces[ti][bi] for ti, bi in members]
-        stacked = batch[0] if len(batch) == 1 else torch.cat(batch, dim=0)  # a lone matrix needs no copy
         if on_batch is not None:
-            on_batch(stacked.size(0), rows, cols)
-        out = options.orthogonalize(stacked)
-        out.mul_(lr_scale(options.adjust_lr, rows, cols))
+            on_batch(sum(m.size(0) for m in batch), rows, cols)
+        out = options.orthogonalize_batches(batch, rows=rows, cols=cols)
         for (ti, bi), chunk in zip(members, torch.split(out, [m.size(0) for m in batch]), strict=True):
             results[ti][bi] = chunk
     return [layout.from_matrices(r, u.shape) for r, u, layout in zip(results, updates, layouts, strict=True)]

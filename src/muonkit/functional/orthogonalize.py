@@ -3,14 +3,14 @@
 For ``U = P S Q^T`` (SVD) the ideal result is the polar factor ``P Q^T``: every singular value
 sent to 1. Newton-Schulz gets there approximately with matrix products only:
 
-    X_0 = U / (k * ||U||_F + eps)                  (k = the preset's norm factor)
+    X_0 = U / ((k + eps) ||U||_F)                  (k = the preset's norm factor; 0 if U = 0)
     A   = X X^T
     X  <- a X + (b A + c A^2) X                   (one (a, b, c) per step)
 
 computed on the short side (tall inputs are transposed first, so ``A`` is the small Gram
-matrix). Before normalizing we divide by ``max|U|`` (in fp32, or fp64 for fp64 input), so tiny
-(1e-30) and huge (1e30) inputs reach the iteration with a Frobenius norm >= 1 and never underflow
-or overflow.
+matrix). The normalization is scale-invariant: tiny (1e-30) and huge (1e30) inputs give the same
+result as moderate ones (``eps`` is a relative margin, not an absolute floor that would shrink a
+small momentum's update), and nothing underflows or overflows.
 
 Example::
 
@@ -29,7 +29,7 @@ from torch import Tensor
 
 from muonkit.functional.coefficients import resolve_preset
 
-__all__ = ["METHODS", "default_compute_dtype", "orthogonalize"]
+__all__ = ["METHODS", "default_compute_dtype", "orthogonalize", "orthogonalize_batches"]
 
 METHODS: tuple[str, ...] = ("newton_schulz", "gram")
 
@@ -68,7 +68,8 @@ def orthogonalize(
             ``(a, b, c)`` steps. See :mod:`muonkit.functional.coefficients` for each preset's
             singular-value band.
         steps: number of iterations (default: the preset's own, 5 for all built-ins).
-        eps: added to the norm, so an all-zero matrix maps to zero.
+        eps: relative margin in the normalization ``U / ((k + eps) ||U||_F)``; an all-zero
+            matrix maps to zero.
         dtype: compute dtype of the matrix products (default: :func:`default_compute_dtype`).
         method: ``"newton_schulz"`` (default) iterates on ``X``; ``"gram"`` iterates on the small
             Gram matrix (:func:`_gram_newton_schulz`), the same polynomial in exact arithmetic and
@@ -76,33 +77,81 @@ def orthogonalize(
     """
     if x.ndim < 2:
         raise ValueError(f"orthogonalize needs a matrix or a batch of matrices, got shape {tuple(x.shape)}")
-    if x.is_complex():
+    batch_shape = x.shape[:-2]
+    flat = x.reshape(-1, x.size(-2), x.size(-1))
+    out = orthogonalize_batches([flat], coefficients=coefficients, steps=steps, eps=eps, dtype=dtype, method=method)
+    return out.reshape(*batch_shape, x.size(-2), x.size(-1))
+
+
+def orthogonalize_batches(
+    parts: Sequence[Tensor],
+    *,
+    coefficients: str | Sequence[Sequence[float]] = "polar_express",
+    steps: int | None = None,
+    eps: float = 1e-7,
+    dtype: torch.dtype | None = None,
+    method: str = "newton_schulz",
+    scale: float = 1.0,
+) -> Tensor:
+    """``scale * orthogonalize(cat(parts))`` for batches ``(b_i, m, n)`` of one matrix shape.
+
+    The parts are normalized straight into one compute-dtype batch (no fp32 concatenation), and
+    the result, ``(sum b_i, m, n)`` in the parts' dtype, is scaled in that dtype as it is cast
+    back: the Muon step's batching and lr shape scale at no extra pass over the data.
+    """
+    first = parts[0]
+    if first.is_complex():
         raise ValueError("orthogonalize does not support complex tensors")
     if method not in METHODS:
         raise ValueError(f"Invalid method={method!r}: must be one of {METHODS}")
     schedule, norm_factor = resolve_preset(coefficients, steps=steps)
-    compute = dtype if dtype is not None else default_compute_dtype(x.device)
-    if compute == torch.float16 and x.device.type == "cpu":
+    compute = dtype if dtype is not None else default_compute_dtype(first.device)
+    if compute == torch.float16 and first.device.type == "cpu":
         raise ValueError("Invalid dtype=torch.float16 on CPU: fp16 matmul is ~1000x slower there; use bf16 or fp32")
-    tall = x.size(-2) > x.size(-1)
-    work = x.mT if tall else x
-    batch_shape = work.shape[:-2]
-    work = work.reshape(-1, work.size(-2), work.size(-1))
-    iterate = _gram_newton_schulz if method == "gram" and 2 * work.size(-2) <= work.size(-1) else _newton_schulz
-    out = iterate(_normalize(work, norm_factor, eps).to(compute), schedule)
-    out = out.reshape(*batch_shape, out.size(-2), out.size(-1))
-    return (out.mT if tall else out).to(x.dtype)
+    tall = first.size(-2) > first.size(-1)
+    short, long = sorted((first.size(-2), first.size(-1)))
+    work = torch.empty((sum(p.size(0) for p in parts), short, long), dtype=compute, device=first.device)
+    offset = 0
+    for part in parts:
+        _normalize_into(part.mT if tall else part, work[offset : offset + part.size(0)], norm_factor + eps)
+        offset += part.size(0)
+    iterate = _gram_newton_schulz if method == "gram" and 2 * short <= long else _newton_schulz
+    out = iterate(work, schedule)
+    out = out.mT if tall else out
+    if out.dtype == first.dtype and scale == 1.0:
+        return out
+    # A dimensioned factor makes the product compute in the wider of the two dtypes (a Python
+    # float would keep bf16 arithmetic): fp32(out) * scale, rounded once, in the same pass as the cast.
+    wide = torch.promote_types(out.dtype, first.dtype)
+    return torch.mul(out, torch.full((1, 1, 1), scale, dtype=wide, device=first.device)).to(first.dtype)
 
 
-def _normalize(x: Tensor, norm_factor: float, eps: float) -> Tensor:
-    """x / (k*||x||_F + eps) per matrix, in fp32 (fp64 for fp64 input), safe for any finite scale."""
+# Frobenius norms in this range are computed without overflow or underflow by a plain fp32
+# reduction (its sum of squares stays within fp32's normal range).
+_TRUSTED_NORMS = (1e-15, 1e18)
+
+
+def _normalize_into(x: Tensor, out: Tensor, k: float) -> None:
+    """``out = x / (k * ||x||_F)`` per matrix (zero stays zero), cast to ``out``'s dtype.
+
+    Fast path: one fp32 norm reduction and one fused scale-and-cast pass. Norms outside the range
+    a plain fp32 reduction gets right (entries above ~1e18 or below ~1e-17), and fp64 input, go
+    through a pre-division by ``max|x|`` in fp32 (fp64 for fp64 input), so every finite scale
+    works. Checking the range costs one host sync per batch (free on CPU).
+    """
+    if x.dtype != torch.float64:
+        norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True, dtype=torch.float32)
+        lo, hi = _TRUSTED_NORMS
+        if bool(((norm >= lo) & (norm <= hi)).all()):
+            torch.mul(x, (k * norm).reciprocal_(), out=out)
+            return
     # fp64 stays fp64: casting it to fp32 first would overflow above ~3e38, flush values below
     # ~1e-45 to zero, and cap a float64 Newton-Schulz at fp32 accuracy.
-    x = x.to(torch.promote_types(x.dtype, torch.float32))
-    peak = x.abs().amax(dim=(-2, -1), keepdim=True)
-    x = x / torch.where(peak > 0, peak, torch.ones_like(peak))
-    norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)
-    return x / (norm_factor * norm + eps)
+    wide = x.to(torch.promote_types(x.dtype, torch.float32))
+    peak = wide.abs().amax(dim=(-2, -1), keepdim=True)
+    wide = wide / torch.where(peak > 0, peak, torch.ones_like(peak))
+    norm = torch.linalg.vector_norm(wide, dim=(-2, -1), keepdim=True)
+    torch.div(wide, torch.where(norm > 0, k * norm, torch.ones_like(norm)), out=out)
 
 
 def _newton_schulz(x: Tensor, schedule: Sequence[tuple[float, float, float]]) -> Tensor:
