@@ -7,9 +7,13 @@ update, and of DeepSpeed's reported gradient norm against the raw norm):
 
 * fp32: 1e-4 (Newton-Schulz in float64 on both sides; only fp32 summation order differs;
   measured: 3e-6);
-* bf16 with fp32 gradient accumulation and communication: 1e-3 (bf16 forward/backward is
-  identical on both sides; the rest is fp32 order; measured: 2e-4, and 0 for DeepSpeed's BF16
-  optimizer);
+* bf16 with fp32 gradient accumulation and communication: 1e-3 after ONE optimizer step (bf16
+  forward/backward is identical on both sides; the rest is fp32 order). bf16 checks stop after
+  one step because the comparison is chaotic beyond it: a 1e-7 difference in the fp32 master
+  weights flips the bf16 rounding of a few weights, and Newton-Schulz amplifies small singular
+  directions of the gradient (slope ~3.4 per step, ~450x over 5 steps), so after 3 steps the same
+  code gave 2e-4 or 1.8e-2 depending on a 5e-6 change of lr on both sides. Multi-step momentum and
+  accumulation are held to 1e-4 by the fp32 checks;
 * bf16 with DeepSpeed's defaults (bf16 accumulation and reduction): gradients are rounded to
   bf16 before they are summed, so 0.15 on each Muon matrix (measured: 0.08), 1e-2 on the norm
   (measured: 5e-4). AdamW tensors are not held to it under bf16 defaults: Adam divides
@@ -71,16 +75,18 @@ def _equivalent(
     muon_only: bool = False,
     zero: dict[str, Any] | None = None,
     read_module: bool = False,
+    steps: int | None = None,
     **kw: Any,
 ) -> Any:
+    steps = steps or (1 if bf16 else STEPS)
     cfg = config(stage, bf16=bf16, fp32_accumulation=fp32_accumulation)
     cfg["zero_optimization"].update(zero or {})
     engine, init = _initialize(cfg, **kw)
     if bf16:  # DeepSpeed's fp32 master weights start from the bf16 model
         init = {n: t.to(torch.bfloat16).float() for n, t in init.items()}
     strategy = engine.optimizer.optimizer.strategy
-    norms = train(engine, STEPS)
-    want, want_norms = reference(init, STEPS, world=dist.get_world_size(), bf16=bf16)
+    norms = train(engine, steps)
+    want, want_norms = reference(init, steps, world=dist.get_world_size(), bf16=bf16)
     for got, expected in zip(norms, want_norms, strict=True):  # DeepSpeed clips by the raw accumulated norm
         assert abs(got - expected) <= norm_tol * expected, f"grad norm {got} vs raw {expected}"
     # read_module: at fp32 ZeRO-1/2 the module holds the gathered fp32 weights themselves
@@ -97,8 +103,8 @@ def _equivalent(
     assert errors[worst] <= tol, f"{worst}: relative update error {errors[worst]:.2e} > {tol} ({errors})"
     total = torch.tensor([strategy.stats.matrices])
     dist.all_reduce(total)
-    expected = STEPS * muon_matrices(want)  # once per matrix per optimizer step, never per micro-batch
-    assert total.item() == expected, f"{total.item()} orthogonalizations in {STEPS} steps, expected {expected}"
+    expected = steps * muon_matrices(want)  # once per matrix per optimizer step, never per micro-batch
+    assert total.item() == expected, f"{total.item()} orthogonalizations in {steps} steps, expected {expected}"
     return engine
 
 
