@@ -59,3 +59,16 @@ def test_bad_method_is_rejected() -> None:
         muonkit.orthogonalize(torch.randn(4, 8), method="svd")
     with pytest.raises(ValueError, match=r"Invalid ns_method='svd': must be one of"):
         muonkit.HybridMuon([torch.nn.Parameter(torch.randn(4, 8))], ns_method="svd")
+
+
+@pytest.mark.parametrize("method", ["newton_schulz", "gram"])
+@pytest.mark.parametrize(("shape", "steps"), [((16, 64), 5), ((64, 16), 5), ((24, 30), 5), ((8, 40), 3), ((8, 40), 7)])
+def test_flops_formula_counts_the_matrix_products(method: str, shape: tuple[int, int], steps: int) -> None:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from muonkit.functional.matrices import orthogonalization_flops
+
+    x = torch.randn(*shape)
+    with FlopCounterMode(display=False) as counter:
+        muonkit.orthogonalize(x, steps=steps, method=method)
+    assert counter.get_total_flops() == orthogonalization_flops(*shape, steps, method)

@@ -100,13 +100,18 @@ def _reference(groups: list[dict[str, Any]], init: dict[str, torch.Tensor]) -> t
 
 
 def _run_both(
-    *, nesterov: bool, adjust_lr: str | None, dtype: torch.dtype, ns_dtype: torch.dtype | None
+    *,
+    nesterov: bool,
+    adjust_lr: str | None,
+    dtype: torch.dtype,
+    ns_dtype: torch.dtype | None,
+    ns_method: str = "gram",
 ) -> tuple[dict[str, torch.nn.Parameter], muonkit.HybridMuon, ref.ReferenceHybridMuon, dict[str, torch.Tensor]]:
     init, target, noise = _problem()
     groups = _groups(nesterov, adjust_lr)
     params = {n: torch.nn.Parameter(init[n].to(dtype)) for n in SPECS}
     opt_groups = [{**g, "params": [params[n] for n, s in SPECS.items() if s[1] == gi]} for gi, g in enumerate(groups)]
-    opt = muonkit.HybridMuon(opt_groups, ns_dtype=ns_dtype)
+    opt = muonkit.HybridMuon(opt_groups, ns_dtype=ns_dtype, ns_method=ns_method)
     reference, names = _reference(groups, init)
     for step in range(STEPS):
         for n, p in params.items():
@@ -150,11 +155,17 @@ def test_float32_matches_reference(adjust_lr: str) -> None:
     assert max(errors.values()) <= 1e-4, errors
 
 
+# 30 steps in bf16 against the float64 reference, relative to the distance travelled. The plain
+# iteration stays within 3% (measured <= 0.93%); the default Gram iteration rounds its n x n
+# Gram matrix to bf16 at every step, about twice the per-step rounding (measured <= 3.95%).
+@pytest.mark.parametrize(("ns_method", "tolerance"), [("newton_schulz", 0.03), ("gram", 0.06)])
 @pytest.mark.parametrize("nesterov", [True, False])
-def test_default_bf16_newton_schulz_stays_close_to_reference(nesterov: bool) -> None:
-    params, opt, reference, init = _run_both(nesterov=nesterov, adjust_lr="keller", dtype=torch.float32, ns_dtype=None)
+def test_default_bf16_newton_schulz_stays_close_to_reference(nesterov: bool, ns_method: str, tolerance: float) -> None:
+    params, opt, reference, init = _run_both(
+        nesterov=nesterov, adjust_lr="keller", dtype=torch.float32, ns_dtype=None, ns_method=ns_method
+    )
     errors = _relative_errors(params, reference, init)
-    assert max(errors.values()) <= 0.03, errors
+    assert max(errors.values()) <= tolerance, errors
     assert all(opt.state[p]["momentum_buffer"].dtype == torch.float32 for n, p in params.items() if SPECS[n][1] < 3)
 
 

@@ -18,7 +18,7 @@ from muonkit.functional.coefficients import as_schedule, resolve_preset
 from muonkit.functional.lr_scaling import ADJUST_LR_CHOICES
 from muonkit.functional.matrices import LAYOUT_KINDS, MatrixLayout
 from muonkit.functional.muon import NSOptions
-from muonkit.functional.orthogonalize import METHODS
+from muonkit.functional.orthogonalize import METHODS, orthogonalization_flops
 
 Algorithm = Literal["muon", "adamw"]
 ALGORITHMS: tuple[str, ...] = ("muon", "adamw")
@@ -43,11 +43,15 @@ class MuonConfig:
     adjust_lr: str | None
     layout: MatrixLayout
     ns_dtype: torch.dtype | None
-    ns_method: str = "newton_schulz"
+    ns_method: str = "gram"
 
     @property
     def ns_options(self) -> NSOptions:
         return NSOptions(self.ns_coefficients, self.ns_steps, self.eps, self.ns_dtype, self.adjust_lr, self.ns_method)
+
+    def flops(self, rows: int, cols: int) -> int:
+        """Matrix-product FLOPs of orthogonalizing one ``rows x cols`` matrix with these settings."""
+        return orthogonalization_flops(rows, cols, self.steps, self.ns_method)
 
     @property
     def steps(self) -> int:
@@ -103,7 +107,7 @@ def _muon_config(g: Mapping[str, Any]) -> MuonConfig:
         raise ValueError(
             f"Invalid ns_dtype={ns_dtype!r}: must be None, torch.float32, torch.bfloat16, torch.float64 or (GPU only) torch.float16"
         )
-    ns_method = g.get("ns_method", "newton_schulz")
+    ns_method = g.get("ns_method", "gram")
     if ns_method not in METHODS:
         raise ValueError(f"Invalid ns_method={ns_method!r}: must be one of {METHODS}")
     return MuonConfig(

@@ -66,8 +66,11 @@ class HybridMuon(Optimizer):
         layout, split_sizes: how tensors become matrices (:class:`muonkit.functional.MatrixLayout`);
             ``split_sizes`` splits each matrix along its rows (fused QKV).
         ns_dtype: compute dtype of Newton-Schulz (default: bf16 where fast, else fp32).
-        ns_method: ``"newton_schulz"`` or ``"gram"`` (iterate on the Gram matrix: fewer FLOPs for
-            aspect ratios >= 2, about twice the bf16 rounding error; see ``orthogonalize``).
+        ns_method: ``"gram"`` (default) iterates on the small Gram matrix ``X X^T`` wherever the
+            aspect ratio is >= 2 (the same polynomial, fewer FLOPs: 1.4-1.5x faster on GPT-2's
+            768x2304 and 768x3072 in bf16 here, at the same distance to the polar factor) and
+            runs the plain iteration on squarer matrices; ``"newton_schulz"`` always iterates on
+            ``X`` (what torch.optim.Muon does).
         adamw_lr, betas, adamw_eps, adamw_weight_decay: AdamW defaults.
         nonfinite: what a non-finite gradient does. ``"skip"`` (default): the whole step is
             skipped on every group and rank, a warning is logged and ``skipped_steps`` counts it;
@@ -92,7 +95,7 @@ class HybridMuon(Optimizer):
         layout: str = "auto",
         split_sizes: Sequence[int] | None = None,
         ns_dtype: torch.dtype | None = None,
-        ns_method: str = "newton_schulz",
+        ns_method: str = "gram",
         adamw_lr: float = 3e-4,
         betas: tuple[float, float] = (0.9, 0.95),
         adamw_eps: float = 1e-8,
@@ -207,16 +210,20 @@ class HybridMuon(Optimizer):
         if not params:
             return
         local = self.strategy.local
-        buffers = []
         for p in params:
             state = self.state[p]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = self.strategy.new_state(p, self._state_dtype(p))
-            buffers.append(local(state["momentum_buffer"]))
-        grads = [local(cast(Tensor, p.grad)) for p in params]
-        updates = muon_momentum_(buffers, grads, momentum=config.momentum, nesterov=config.nesterov)
-        directions = self.strategy.muon_directions(params, updates, config)
-        muon_apply_([local(p) for p in params], directions, lr=config.lr, weight_decay=config.weight_decay)
+        # Chunk by chunk (one matrix shape at a time on one device): the step's scratch memory
+        # (updates, compute batch, directions) is that of the largest chunk, not of every matrix.
+        for chunk in self.strategy.muon_chunks(params, config):
+            group = [params[i] for i in chunk]
+            buffers = [local(self.state[p]["momentum_buffer"]) for p in group]
+            grads = [local(cast(Tensor, p.grad)) for p in group]
+            updates = muon_momentum_(buffers, grads, momentum=config.momentum, nesterov=config.nesterov)
+            directions = self.strategy.muon_directions(group, updates, config)
+            del updates
+            muon_apply_([local(p) for p in group], directions, lr=config.lr, weight_decay=config.weight_decay)
 
     def _adamw_step(self, params: list[Tensor], config: AdamWConfig) -> None:
         if not params:

@@ -17,7 +17,6 @@ import torch
 from torch import Tensor
 
 from muonkit.config import MuonConfig
-from muonkit.functional.matrices import orthogonalization_flops
 from muonkit.shapes import full_shape
 
 
@@ -75,6 +74,16 @@ class Strategy(ABC):
         """
         del has_grad
 
+    def muon_chunks(self, params: list[Tensor], config: MuonConfig) -> list[list[int]]:
+        """Indices of the params to step together, chunk after chunk.
+
+        The optimizer computes momentum updates, directions and the weight update one chunk at a
+        time, so a step's scratch memory is that of its largest chunk. Default: a single chunk,
+        for strategies whose collectives span every param of the group.
+        """
+        del config
+        return [list(range(len(params)))]
+
     @abstractmethod
     def muon_directions(self, params: list[Tensor], updates: list[Tensor], config: MuonConfig) -> list[Tensor]:
         """Local slices of ``scale * orthogonalize(U)`` for each param.
@@ -85,7 +94,7 @@ class Strategy(ABC):
         strategy may write the directions into them and return them, to save memory.
         """
 
-    def count_batch(self, count: int, rows: int, cols: int, *, steps: int) -> None:
+    def count_batch(self, count: int, rows: int, cols: int, *, config: MuonConfig) -> None:
         """Record one batched orthogonalization on this rank."""
         self.stats.matrices += count
-        self.stats.flops += count * orthogonalization_flops(rows, cols, steps)
+        self.stats.flops += count * config.flops(rows, cols)

@@ -49,7 +49,7 @@ from muonkit.distributed.collectives import Collectives, Pending
 from muonkit.distributed.ownership import assign_owners
 from muonkit.distributed.replicated import wire_dtype
 from muonkit.functional.lr_scaling import lr_scale
-from muonkit.functional.matrices import MatrixLayout, orthogonalization_flops
+from muonkit.functional.matrices import MatrixLayout
 from muonkit.functional.muon import muon_directions
 
 __all__ = ["DTensorStrategy", "dim0_sizes"]
@@ -152,7 +152,7 @@ class DTensorStrategy(Strategy):
             buckets.setdefault((plans[i].shape, updates[i].dtype), []).append(i)
         members = [sorted(ids) for ids in buckets.values()]
         options = dataclasses.replace(config.ns_options, adjust_lr=None)  # scaled on arrival
-        hook = functools.partial(self.count_batch, steps=config.steps)
+        hook = functools.partial(self.count_batch, config=config)
         gathers: list[Any] = [self._gather(ids, plans, updates, owner) for ids in members]
         out = updates  # scratch (see Strategy): every read of them below happens before any write
         local = [i for i, plan in enumerate(plans) if plan.local and updates[i].numel() > 0]
@@ -199,7 +199,7 @@ class DTensorStrategy(Strategy):
         sizes = dim0_sizes(shape[0], self.comm.world_size)
         if update.size(0) != sizes[self.comm.rank]:
             raise RuntimeError(f"Local shard of a {shape} param has {update.size(0)} rows; expected {sizes}")
-        cost = sum(b.count * orthogonalization_flops(b.rows, b.cols, config.steps) for b in config.layout.blocks(shape))
+        cost = sum(b.count * config.flops(b.rows, b.cols) for b in config.layout.blocks(shape))
         experts = config.layout.resolved(len(shape)) == "experts"
         return _Plan(shape, sizes, cost, local=experts or sum(n > 0 for n in sizes) <= 1)
 

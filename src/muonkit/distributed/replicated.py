@@ -45,7 +45,7 @@ from muonkit.distributed.base import Strategy
 from muonkit.distributed.collectives import Collectives, Pending, group_of
 from muonkit.distributed.ownership import assign_owners
 from muonkit.functional.lr_scaling import lr_scale
-from muonkit.functional.matrices import MatrixLayout, orthogonalization_flops
+from muonkit.functional.matrices import MatrixLayout
 from muonkit.functional.muon import muon_directions
 from muonkit.functional.orthogonalize import default_compute_dtype
 
@@ -98,7 +98,7 @@ class ReplicatedStrategy(Strategy):
         mats = [config.layout.to_matrices(u) for u in updates]
         jobs = [_Job(t, b, i) for t, blocks in enumerate(mats) for b, m in enumerate(blocks) for i in range(m.size(0))]
         keys = [(*mats[j.tensor][j.block].shape[1:], mats[j.tensor][j.block].dtype) for j in jobs]
-        costs = [orthogonalization_flops(rows, cols, config.steps) for rows, cols, _ in keys]
+        costs = [config.flops(rows, cols) for rows, cols, _ in keys]
         by_key: dict[Any, list[int]] = {}
         for k in sorted(range(len(jobs)), key=lambda k: (-costs[k], k)):  # largest shapes first
             by_key.setdefault(keys[k], []).append(k)
@@ -133,7 +133,7 @@ class ReplicatedStrategy(Strategy):
         wire = wire_dtype(config, sample)
         if mine:
             options = dataclasses.replace(config.ns_options, adjust_lr=None)  # scaled after the transfer
-            hook = functools.partial(self.count_batch, steps=config.steps)
+            hook = functools.partial(self.count_batch, config=config)
             out = muon_directions([torch.stack(mine)], [_STACKED], options, on_batch=hook)[0].to(wire)
         else:
             out = sample.new_empty((0, bucket.rows, bucket.cols), dtype=wire)

@@ -41,7 +41,7 @@ from torch import Tensor
 from muonkit.config import MuonConfig
 from muonkit.distributed.base import Strategy
 from muonkit.distributed.zero_layout import FlatLayout, Piece
-from muonkit.functional.matrices import MatrixLayout, orthogonalization_flops
+from muonkit.functional.matrices import MatrixLayout
 from muonkit.functional.muon import muon_directions
 
 __all__ = ["ExchangePlan", "ZeroStrategy", "plan_exchange"]
@@ -146,7 +146,10 @@ class ZeroStrategy(Strategy):
         layout = self.layout_of(flat)
         key = (id(layout), config.layout, config.steps)
         if key not in self._plans:
-            costs = [_cost(p.shape, config.layout, config.steps) for p in layout.params]
+            costs = [
+                float(sum(b.count * config.flops(b.rows, b.cols) for b in config.layout.blocks(p.shape)))
+                for p in layout.params
+            ]
             self._plans[key] = plan_exchange(layout, costs, self.rank)
         return self._plans[key]
 
@@ -163,7 +166,7 @@ class ZeroStrategy(Strategy):
         layout, plan = self.layout_of(flat), self.plan(flat, config)
         received = self._exchange(update, plan.gather, plan.scatter, plan.needs_exchange)
         wholes = [self._whole(layout, i, update, received) for i in plan.computed]
-        hook = functools.partial(self.count_batch, steps=config.steps)
+        hook = functools.partial(self.count_batch, config=config)
         directions = muon_directions(wholes, [config.layout] * len(wholes), config.ns_options, on_batch=hook)
         out = torch.zeros_like(update)
         by_param = {i: d.reshape(-1) for i, d in zip(plan.computed, directions, strict=True)}
@@ -230,7 +233,3 @@ def _local(flat: Tensor, piece: Piece) -> Tensor:
 
 def _of_param(flat_param: Tensor, piece: Piece) -> Tensor:
     return flat_param.narrow(0, piece.param_offset, piece.length)
-
-
-def _cost(shape: tuple[int, ...], layout: MatrixLayout, steps: int) -> float:
-    return float(sum(b.count * orthogonalization_flops(b.rows, b.cols, steps) for b in layout.blocks(shape)))

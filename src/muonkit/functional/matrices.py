@@ -28,6 +28,10 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from muonkit.functional.orthogonalize import orthogonalization_flops
+
+__all__ = ["LAYOUT_KINDS", "MatrixBlock", "MatrixLayout", "orthogonalization_flops"]
+
 LayoutKind = Literal["auto", "matrix", "transposed", "experts", "flatten"]
 LAYOUT_KINDS: tuple[str, ...] = ("auto", "matrix", "transposed", "experts", "flatten")
 
@@ -105,12 +109,3 @@ class MatrixLayout:
         if self.resolved(len(shape)) == "transposed":
             return base.reshape(shape[1], shape[0]).mT.contiguous()
         return base.reshape(shape)
-
-
-def orthogonalization_flops(rows: int, cols: int, steps: int) -> int:
-    """FLOPs of ``steps`` Newton-Schulz steps on one ``rows x cols`` matrix.
-
-    Per step on the short side m <= n: ``X X^T`` (2 m^2 n), ``A A`` (2 m^3), ``B X`` (2 m^2 n).
-    """
-    m, n = min(rows, cols), max(rows, cols)
-    return steps * (4 * m * m * n + 2 * m**3)

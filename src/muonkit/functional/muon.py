@@ -30,7 +30,7 @@ class NSOptions:
     eps: float = 1e-7
     dtype: torch.dtype | None = None
     adjust_lr: str | None = "keller"
-    method: str = "newton_schulz"
+    method: str = "gram"
 
     def orthogonalize(self, x: Tensor) -> Tensor:
         return orthogonalize(

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from muonkit.functional.coefficients import resolve_preset
 
-__all__ = ["METHODS", "default_compute_dtype", "orthogonalize", "orthogonalize_batches"]
+__all__ = ["METHODS", "default_compute_dtype", "orthogonalization_flops", "orthogonalize", "orthogonalize_batches"]
 
 METHODS: tuple[str, ...] = ("newton_schulz", "gram")
 
@@ -163,8 +163,33 @@ def _newton_schulz(x: Tensor, schedule: Sequence[tuple[float, float, float]]) ->
     return x
 
 
+_GRAM_RESTARTS = (2,)
+
+
+def orthogonalization_flops(rows: int, cols: int, steps: int, method: str = "newton_schulz") -> int:
+    """Matrix-product FLOPs of ``orthogonalize`` on one ``rows x cols`` matrix (m <= n its sides).
+
+    Plain iteration, per step: ``X X^T`` (2 m^2 n), ``A A`` (2 m^3), ``B X`` (2 m^2 n). Gram
+    (where it applies, n >= 2m): ``X X^T`` and ``Q X`` once (2 m^2 n each), per step ``P`` (2 m^3),
+    ``P Q`` (2 m^3, from the second step) and ``P R P`` (4 m^3, except before a restart and
+    after the last step), and 4 m^2 n per restart.
+    """
+    m, n = min(rows, cols), max(rows, cols)
+    if method != "gram" or 2 * m > n:
+        return steps * (4 * m * m * n + 2 * m**3)
+    flops, fresh = 4 * m * m * n, True
+    for i in range(steps):
+        if i in _GRAM_RESTARTS and not fresh:
+            flops, fresh = flops + 4 * m * m * n, True
+        flops += 2 * m**3 + (0 if fresh else 2 * m**3)
+        fresh = False
+        if i + 1 < steps and i + 1 not in _GRAM_RESTARTS:
+            flops += 4 * m**3
+    return flops
+
+
 def _gram_newton_schulz(
-    x: Tensor, schedule: Sequence[tuple[float, float, float]], *, restarts: tuple[int, ...] = (2,)
+    x: Tensor, schedule: Sequence[tuple[float, float, float]], *, restarts: tuple[int, ...] = _GRAM_RESTARTS
 ) -> Tensor:
     """The same iteration run on the n x n Gram matrix of a batch (B, n, m), n <= m/2.
 

@@ -20,7 +20,7 @@ key                     default             meaning
 ``nesterov``            true                Nesterov blend of gradient and momentum
 ``ns_coefficients``     "polar_express"     "polar_express", "keller", "you" or [[a, b, c], ...]
 ``ns_steps``            null                Newton-Schulz steps (null: the preset's, 5)
-``ns_method``           "newton_schulz"     "newton_schulz" or "gram"
+``ns_method``           "gram"              "gram" (Gram iteration where aspect >= 2) or "newton_schulz"
 ``ns_dtype``            null                "bfloat16", "float32", "float64" (null: bf16 where fast)
 ``eps``                 1e-7                added to the norm before Newton-Schulz
 ``adjust_lr``           "keller"            lr shape scale: "keller", "match_adamw", "spectral", null
@@ -79,7 +79,7 @@ class MuonkitOptions:
     nesterov: bool = True
     ns_coefficients: Any = "polar_express"
     ns_steps: int | None = None
-    ns_method: str = "newton_schulz"
+    ns_method: str = "gram"
     ns_dtype: str | None = None
     eps: float = 1e-7
     adjust_lr: str | None = "keller"
