@@ -115,3 +115,20 @@ def test_plain_trainer_with_make_optimizer(tmp_path: Path) -> None:
     )
     trainer.train()
     assert trainer.state.global_step == 2
+
+
+@pytest.mark.parametrize(
+    ("mode", "error", "says"),
+    [
+        ({"deepspeed": {"zero_optimization": {"stage": 2}}}, ValueError, "trainer_setup"),
+        ({"fsdp": "full_shard"}, NotImplementedError, "fully_shard in your own loop"),
+    ],
+)
+def test_make_optimizer_refuses_trainer_modes_it_cannot_serve(mode: dict, error: type, says: str) -> None:
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(learning_rate=1e-3, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95, adam_epsilon=1e-8)
+    for key, value in mode.items():
+        setattr(args, key, value)
+    with pytest.raises(error, match=says):
+        make_optimizer(tiny_model(), args)

@@ -47,6 +47,33 @@ def param_groups(
     return list(groups.values())
 
 
+def no_decay_on_vectors(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Split each decayed AdamW group into its >= 2D tensors and its vectors, the vectors without weight decay.
+
+    What ``torch.optim.AdamW`` recipes (nanoGPT, the HF Trainer) do: decay embeddings and heads,
+    never biases and norm gains.
+    """
+    out = []
+    for g in groups:
+        if g["algorithm"] != "adamw" or not g["weight_decay"]:
+            out.append(g)
+            continue
+        pairs = list(zip(g["params"], g["param_names"], strict=True))
+        for keep in (lambda p: p.ndim >= 2, lambda p: p.ndim < 2):
+            chosen = [(p, n) for p, n in pairs if keep(p)]
+            if chosen:
+                decay = g["weight_decay"] if chosen[0][0].ndim >= 2 else 0.0
+                out.append(
+                    {
+                        **g,
+                        "params": [p for p, _ in chosen],
+                        "param_names": [n for _, n in chosen],
+                        "weight_decay": decay,
+                    }
+                )
+    return out
+
+
 def _new_group(
     r: Route,
     lr: float,

@@ -243,6 +243,7 @@ def build_optimizer(model: nn.Module, config: RunConfig) -> torch.optim.Optimize
         return torch.optim.AdamW([g for g in groups if g["params"]], lr=config.adamw_lr, **adamw)  # type: ignore[arg-type]
 
     from muonkit import HybridMuon, param_groups
+    from muonkit.param_groups import no_decay_on_vectors
 
     muon = {"momentum": config.momentum, "ns_coefficients": config.ns_coefficients, "adjust_lr": config.adjust_lr}
     routed = param_groups(
@@ -255,24 +256,7 @@ def build_optimizer(model: nn.Module, config: RunConfig) -> torch.optim.Optimize
         muon_options=muon,
         adamw_options=adamw,
     )
-    return HybridMuon(_no_decay_on_vectors(routed))
-
-
-def _no_decay_on_vectors(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Split each AdamW group into its 2D tensors (decayed) and the rest (not), like the baseline."""
-    out = []
-    for g in groups:
-        if g["algorithm"] != "adamw":
-            out.append(g)
-            continue
-        pairs = list(zip(g["params"], g["param_names"], strict=True))
-        for keep, wd in ((lambda p: p.ndim >= 2, g["weight_decay"]), (lambda p: p.ndim < 2, 0.0)):
-            chosen = [(p, n) for p, n in pairs if keep(p)]
-            if chosen:
-                out.append(
-                    {**g, "params": [p for p, _ in chosen], "param_names": [n for _, n in chosen], "weight_decay": wd}
-                )
-    return out
+    return HybridMuon(no_decay_on_vectors(routed))
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from muonkit.optimizer import HybridMuon
-from muonkit.param_groups import param_groups
+from muonkit.param_groups import no_decay_on_vectors, param_groups
 from muonkit.routing import RuleLike
 
 __all__ = ["MuonTrainer", "make_optimizer", "model_from_config"]  # noqa: F822 (MuonTrainer: module __getattr__)
@@ -83,6 +83,7 @@ def make_optimizer(
     weight_decay: float | None = None,
     rules: Sequence[RuleLike] | Mapping[str, str] | None = None,
     split_qkv: bool = False,
+    process_group: Any | None = None,
     **muon_options: Any,
 ) -> HybridMuon:
     """A :class:`muonkit.HybridMuon` for ``model`` with the settings of ``args`` (``TrainingArguments``).
@@ -95,7 +96,16 @@ def make_optimizer(
       (``adjust_lr``, ``ns_coefficients``, ``momentum``...).
 
     Pass it as ``Trainer(..., optimizers=(make_optimizer(model, args), None))``.
+
+    Under ``torchrun`` the Trainer wraps the model in DDP, so when torch.distributed runs at world
+    size > 1 the optimizer gets ``process_group=WORLD`` (each matrix orthogonalized once across
+    ranks, identical updates everywhere) unless ``process_group`` says otherwise. The Trainer's
+    DeepSpeed mode needs :func:`muonkit.integrations.deepspeed.trainer_setup` instead, and its
+    FSDP mode is refused (accelerate swaps the parameters after the optimizer exists).
     """
+    _check_trainer_mode(args)
+    if process_group is None and _distributed_world_size() > 1:
+        process_group = torch.distributed.group.WORLD
     wd = weight_decay if weight_decay is not None else float(getattr(args, "weight_decay", 0.0))
     if adamw_lr is None:
         adamw_lr = float(getattr(args, "learning_rate", 3e-4))
@@ -106,30 +116,31 @@ def make_optimizer(
         model, lr=muon_lr, adamw_lr=adamw_lr, weight_decay=wd, adamw_weight_decay=wd, rules=rules,
         split_qkv=split_qkv, muon_options=muon_options, adamw_options=adamw_options,
     )  # fmt: skip
-    return HybridMuon(_no_decay_on_vectors(groups))
+    return HybridMuon(no_decay_on_vectors(groups), process_group=process_group)
 
 
-def _no_decay_on_vectors(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Split each AdamW group into its >= 2D tensors and its vectors, the vectors without weight decay."""
-    out = []
-    for g in groups:
-        if g["algorithm"] != "adamw" or not g["weight_decay"]:
-            out.append(g)
-            continue
-        pairs = list(zip(g["params"], g["param_names"], strict=True))
-        for keep in (lambda p: p.ndim >= 2, lambda p: p.ndim < 2):
-            chosen = [(p, n) for p, n in pairs if keep(p)]
-            if chosen:
-                decay = g["weight_decay"] if chosen[0][0].ndim >= 2 else 0.0
-                out.append(
-                    {
-                        **g,
-                        "params": [p for p, _ in chosen],
-                        "param_names": [n for _, n in chosen],
-                        "weight_decay": decay,
-                    }
-                )
-    return out
+def _distributed_world_size() -> int:
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _check_trainer_mode(args: Any | None) -> None:
+    """Refuse the Trainer modes in which an optimizer built here would not be the one that steps."""
+    if args is None:
+        return
+    if getattr(args, "deepspeed", None):
+        raise ValueError(
+            "TrainingArguments has deepspeed set: the Trainer then builds the optimizer itself and would "
+            "discard this one. Use setup = muonkit.integrations.deepspeed.trainer_setup(config) and "
+            "Trainer(..., args=TrainingArguments(..., deepspeed=setup.deepspeed), **setup.trainer_kwargs())"
+        )
+    if getattr(args, "fsdp", None):
+        raise NotImplementedError(
+            f"TrainingArguments has fsdp={args.fsdp!r}: HybridMuon under the Trainer's FSDP is not supported "
+            "(accelerate creates the optimizer on the unsharded parameters and swaps them afterwards). Use DDP "
+            "(plain torchrun), DeepSpeed ZeRO (muonkit.integrations.deepspeed.trainer_setup), or FSDP2 "
+            "fully_shard in your own loop, where HybridMuon picks its sharded strategy from the DTensor params."
+        )
 
 
 def _make_muon_trainer() -> type:
