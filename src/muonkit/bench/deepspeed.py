@@ -19,16 +19,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from muonkit.bench.deepspeed_worker import METHODS
+from muonkit.bench.launch import torchrun_worker
 
 HELP = "DeepSpeed ZeRO-1/2/3 on 2 CPU ranks: muonkit vs DeepSpeed's Muon vs AdamW (loss, time, bytes, state)"
 _FORWARDED = ("n_layer", "n_embd", "n_head", "vocab", "seq", "batch", "ga", "steps", "warmup", "val_batches", "clip")
@@ -79,25 +75,10 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _launch(args: argparse.Namespace) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory() as tmp:
-        result = Path(tmp) / "result.json"
-        forwarded = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in _FORWARDED]
-        forwarded += [f"--lr={args.lr}", f"--adamw-lr={args.adamw_lr}", *([] if args.bf16 else ["--fp32"])]
-        cmd = [
-            sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.world_size}",
-            "--master_addr=127.0.0.1", f"--master_port={_free_port()}",
-            "-m", "muonkit.cli", "bench", "deepspeed", "--worker", f"--result={result}",
-            "--stages", *map(str, args.stages), "--methods", *args.methods, *forwarded,
-        ]  # fmt: skip
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_COMPILE_DISABLE": "1"}
-        subprocess.run(cmd, env=env, check=True)
-        return dict(json.loads(result.read_text()))
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    forwarded = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in _FORWARDED]
+    forwarded += [f"--lr={args.lr}", f"--adamw-lr={args.adamw_lr}", *([] if args.bf16 else ["--fp32"])]
+    stages = ["--stages", *map(str, args.stages), "--methods", *args.methods]
+    return torchrun_worker("deepspeed", args.world_size, [*stages, *forwarded])
 
 
 def format_report(report: dict[str, Any]) -> str:

@@ -27,14 +27,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from muonkit.bench.launch import torchrun_worker
 
 HELP = "DDP and FSDP2 on 2 and 4 CPU ranks: muonkit vs torch.optim.Muon (FLOPs, bytes, step time, memory)"
 LAYOUTS = ("ddp", "fsdp2")
@@ -86,43 +84,16 @@ def _setup(args: argparse.Namespace) -> dict[str, Any]:
 
 def _launch(world_size: int, args: argparse.Namespace) -> dict[str, Any]:
     """Run the worker under torchrun with ``world_size`` ranks; return rank 0's merged result."""
-    port = _free_port()
-    with tempfile.TemporaryDirectory() as tmp:
-        result = Path(tmp) / "result.json"
-        forwarded = [
-            f"--{k.replace('_', '-')}={getattr(args, k)}"
-            for k in ("n_layer", "n_embd", "n_head", "vocab", "seq", "batch", "warmup", "steps")
-        ]
-        cmd = [
-            sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world_size}",
-            "--master_addr=127.0.0.1", f"--master_port={port}",
-            "-m", "muonkit.cli", "bench", "dist", "--worker", f"--result={result}",
-            "--layouts", *args.layouts, *forwarded,
-        ]  # fmt: skip
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_COMPILE_DISABLE": "1", "MALLOC_MMAP_THRESHOLD_": "65536"}
-        start = time.perf_counter()
-        done = subprocess.run(cmd, env=env)
-        if not result.exists():
-            raise RuntimeError(
-                f"bench dist at W={world_size} failed (exit code {done.returncode}); see the output above"
-            )
-        if done.returncode != 0:
-            # Seen about once in 10 runs on this machine: a rank aborts in C++ teardown at
-            # interpreter exit ("terminate called without an active exception") after every rank
-            # finished and rank 0 wrote the merged results. The numbers are complete; say so.
-            print(f"warning: W={world_size} workers exited with code {done.returncode} after writing results")
-        merged: dict[str, Any] = json.loads(result.read_text())
-        merged["wall_s"] = round(time.perf_counter() - start, 1)
-        return merged
-
-
-def _free_port() -> int:
-    """A port nobody listens on now (other torchrun jobs may share the machine)."""
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    forwarded = [
+        f"--{k.replace('_', '-')}={getattr(args, k)}"
+        for k in ("n_layer", "n_embd", "n_head", "vocab", "seq", "batch", "warmup", "steps")
+    ]
+    start = time.perf_counter()
+    merged = torchrun_worker(
+        "dist", world_size, ["--layouts", *args.layouts, *forwarded], env={"MALLOC_MMAP_THRESHOLD_": "65536"}
+    )
+    merged["wall_s"] = round(time.perf_counter() - start, 1)
+    return merged
 
 
 # ---------------------------------------------------------------------------------------- worker

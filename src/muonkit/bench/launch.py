@@ -1,0 +1,47 @@
+"""Run a ``muonkit bench`` subcommand's worker under torchrun on this machine and read its result."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+
+def free_port() -> int:
+    """A port nobody listens on now (other torchrun jobs may share the machine)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def torchrun_worker(
+    subcommand: str, world_size: int, worker_args: list[str], *, env: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """``torchrun -m muonkit.cli bench SUBCOMMAND --worker --result=FILE ARGS`` on ``world_size``
+    local ranks (gloo, one thread each); returns the JSON the workers wrote to ``FILE``.
+
+    Raises ``RuntimeError`` if no result was written. A nonzero exit after the result exists is
+    reported as a warning: about once in 10 runs here a rank aborts in C++ teardown at interpreter
+    exit ("terminate called without an active exception") after every rank finished.
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        result = Path(tmp) / "result.json"
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world_size}",
+            "--master_addr=127.0.0.1", f"--master_port={free_port()}",
+            "-m", "muonkit.cli", "bench", subcommand, "--worker", f"--result={result}", *worker_args,
+        ]  # fmt: skip
+        full_env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_COMPILE_DISABLE": "1", **(env or {})}
+        done = subprocess.run(cmd, env=full_env)
+        if not result.exists():
+            raise RuntimeError(
+                f"bench {subcommand} at W={world_size} failed (exit code {done.returncode}); see the output above"
+            )
+        if done.returncode != 0:
+            print(f"warning: W={world_size} workers exited with code {done.returncode} after writing results")
+        return dict(json.loads(result.read_text()))
