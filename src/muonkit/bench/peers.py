@@ -5,7 +5,8 @@ tensors with the same algorithm) and returns an object with ``step()``, ``zero_g
 ``state``:
 
 - ``adamw``: ``torch.optim.AdamW`` (foreach) on every tensor: the baseline.
-- ``hybrid_muon``: :class:`muonkit.HybridMuon`.
+- ``hybrid_muon`` / ``hybrid_muon_ns``: :class:`muonkit.HybridMuon` with its default Gram iteration /
+  with the plain Newton-Schulz iteration torch.optim.Muon runs.
 - ``torch_muon``: ``torch.optim.Muon`` on the Muon groups (2D only) + ``torch.optim.AdamW`` on the rest.
 - ``deepspeed_standard`` / ``deepspeed_gram``: DeepSpeed's ``SingleDeviceMuonWithAuxAdam``
   (its single-device Muon with an inline Adam) with ``ns_method="standard"`` (Keller's 5 steps in
@@ -114,12 +115,17 @@ def peers(*, deepspeed: bool = True) -> dict[str, Peer]:
         "hybrid_muon": Peer(
             "hybrid_muon",
             lambda g: hybrid_muon(g, ns_coefficients="keller", ns_steps=5),
-            "muonkit HybridMuon, keller x5, bf16, batched by shape",
+            "muonkit HybridMuon, keller x5, bf16, batched by shape, Gram where aspect >= 2 (default method)",
+        ),
+        "hybrid_muon_ns": Peer(
+            "hybrid_muon_ns",
+            lambda g: hybrid_muon(g, ns_coefficients="keller", ns_steps=5, ns_method="newton_schulz"),
+            "muonkit HybridMuon, keller x5, bf16, batched by shape, plain Newton-Schulz (torch's iteration)",
         ),
         "hybrid_muon_pe": Peer(
             "hybrid_muon_pe",
             lambda g: hybrid_muon(g, ns_coefficients="polar_express", ns_steps=5),
-            "muonkit HybridMuon default: polar_express x5, bf16",
+            "muonkit HybridMuon default: polar_express x5, bf16, Gram where aspect >= 2",
         ),
         "torch_muon": Peer("torch_muon", TorchMuonAdamW, "torch.optim.Muon keller x5 bf16 + torch AdamW foreach"),
     }
