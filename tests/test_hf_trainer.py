@@ -132,3 +132,11 @@ def test_make_optimizer_refuses_trainer_modes_it_cannot_serve(mode: dict, error:
         setattr(args, key, value)
     with pytest.raises(error, match=says):
         make_optimizer(tiny_model(), args)
+
+
+def test_muon_trainer_defers_to_an_explicit_optimizer_factory(tmp_path: Path) -> None:
+    # trainer_setup (DeepSpeed) hands its factory over as optimizer_cls_and_kwargs: it must win.
+    args = training_args(tmp_path, weight_decay=0.0)
+    trainer = MuonTrainer(model=tiny_model(), args=args, optimizer_cls_and_kwargs=(torch.optim.SGD, {"lr": 0.1}))
+    assert type(trainer.create_optimizer()) is torch.optim.SGD
+    assert isinstance(MuonTrainer(model=tiny_model(), args=args).create_optimizer(), muonkit.HybridMuon)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -158,6 +158,9 @@ def _make_muon_trainer() -> type:
             super().__init__(*args, **kwargs)
 
         def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
+            if getattr(self, "optimizer_cls_and_kwargs", None) is not None:
+                # An explicit factory wins, e.g. muonkit.integrations.deepspeed.trainer_setup's.
+                return cast(torch.optim.Optimizer, super().create_optimizer(model))
             optimizer: torch.optim.Optimizer | None = getattr(self, "optimizer", None)
             if optimizer is None:
                 optimizer = make_optimizer(model if model is not None else self.model, self.args, **self.muon_options)
