@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from muonkit.bench.deepspeed_worker import METHODS
-from muonkit.bench.launch import torchrun_worker
+from muonkit.bench.launch import add_worker_arguments, torchrun_worker
 
 HELP = "DeepSpeed ZeRO-1/2/3 on 2 CPU ranks: muonkit vs DeepSpeed's Muon vs AdamW (loss, time, bytes, state)"
 _FORWARDED = ("n_layer", "n_embd", "n_head", "vocab", "seq", "batch", "ga", "steps", "warmup", "val_batches", "clip")
@@ -34,12 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--world-size", type=int, default=2, help="ranks (default: 2)")
     parser.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3], choices=[1, 2, 3])
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
-    parser.add_argument("--n-layer", type=int, default=4)
-    parser.add_argument("--n-embd", type=int, default=256)
-    parser.add_argument("--n-head", type=int, default=4)
-    parser.add_argument("--vocab", type=int, default=2048)
-    parser.add_argument("--seq", type=int, default=128, help="tokens per sequence")
-    parser.add_argument("--batch", type=int, default=4, help="sequences per micro-batch and rank")
+    add_worker_arguments(parser, batch_help="sequences per micro-batch and rank")
     parser.add_argument("--ga", type=int, default=2, help="gradient accumulation steps")
     parser.add_argument("--steps", type=int, default=30, help="optimizer steps per run")
     parser.add_argument("--warmup", type=int, default=3, help="steps left out of the timings")
@@ -49,8 +44,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--adamw-lr", type=float, default=1e-3, help="AdamW lr (AdamW runs and AdamW groups)")
     parser.add_argument("--fp32", dest="bf16", action="store_false", help="fp32 instead of bf16 training")
     parser.add_argument("--out", default="runs/deepspeed", help="directory for deepspeed.json")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--result", help=argparse.SUPPRESS)
 
 
 def main(args: argparse.Namespace) -> int:

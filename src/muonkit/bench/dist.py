@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from muonkit.bench.launch import torchrun_worker
+from muonkit.bench.launch import add_worker_arguments, torchrun_worker
 
 HELP = "DDP and FSDP2 on 2 and 4 CPU ranks: muonkit vs torch.optim.Muon (FLOPs, bytes, step time, memory)"
 LAYOUTS = ("ddp", "fsdp2")
@@ -42,17 +42,10 @@ OPTIMIZERS = ("muonkit", "torch")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4], help="ranks per run (default: 2 4)")
     parser.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS))
-    parser.add_argument("--n-layer", type=int, default=4)
-    parser.add_argument("--n-embd", type=int, default=256)
-    parser.add_argument("--n-head", type=int, default=4)
-    parser.add_argument("--vocab", type=int, default=2048)
-    parser.add_argument("--seq", type=int, default=128, help="tokens per sequence")
-    parser.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
+    add_worker_arguments(parser, batch_help="sequences per rank per step")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5, help="timed optimizer steps")
     parser.add_argument("--out", default="runs/dist", help="directory for dist.json")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--result", help=argparse.SUPPRESS)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -1,7 +1,9 @@
-"""Run a ``muonkit bench`` subcommand's worker under torchrun on this machine and read its result."""
+"""The torchrun benchmarks (``bench dist``, ``bench deepspeed``): shared flags, and running a
+subcommand's worker under torchrun on this machine and reading its result."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import socket
@@ -10,6 +12,18 @@ import sys
 import tempfile
 from pathlib import Path
 from typing import Any
+
+
+def add_worker_arguments(parser: argparse.ArgumentParser, *, batch_help: str) -> None:
+    """The benchmark GPT's sizes, tokens per rank, and the hidden flags of the torchrun worker."""
+    parser.add_argument("--n-layer", type=int, default=4)
+    parser.add_argument("--n-embd", type=int, default=256)
+    parser.add_argument("--n-head", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=2048)
+    parser.add_argument("--seq", type=int, default=128, help="tokens per sequence")
+    parser.add_argument("--batch", type=int, default=4, help=batch_help)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
 
 
 def free_port() -> int:
