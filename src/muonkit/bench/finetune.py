@@ -165,6 +165,7 @@ def minilm_finetunes(preset: dict[str, Any], args: argparse.Namespace) -> dict[s
                         seed=seed,
                         out_dir=tmp,
                         max_steps=spec["max_steps"],
+                        muon_lr=args.minilm_muon_lr,
                         device=args.device,
                     )
                     logger.info("MiniLM %s %s seed=%d: accuracy %.4f", task, opt, seed, r["accuracy"])
@@ -190,6 +191,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-train", type=int, help="at most this many training examples per task (GPT part)")
     parser.add_argument("--max-test", type=int, help="at most this many test examples per task (both parts)")
     parser.add_argument("--minilm-max-train", type=int, help="at most this many training examples per task (MiniLM)")
+    parser.add_argument(
+        "--minilm-muon-lr",
+        type=float,
+        help="Muon lr of the MiniLM HybridMuon runs, RMS-matched (default: the AdamW lr 5e-5, Moonlight's setting)",
+    )
     parser.add_argument("--no-gpt", action="store_true", help="skip the GPT pretrain + fine-tune part")
     parser.add_argument("--no-minilm", action="store_true", help="skip the MiniLM part")
     parser.add_argument("--device", default="cpu")
@@ -217,6 +223,7 @@ def main(args: argparse.Namespace) -> int:
     if not args.no_minilm:
         t0 = time.perf_counter()
         report["minilm"] = minilm_finetunes(preset, args)
+        report["minilm_muon_lr"] = args.minilm_muon_lr  # None: the AdamW lr (Moonlight's setting)
         report["minilm_time_s"] = time.perf_counter() - t0
     report["total_time_s"] = time.perf_counter() - start
     report["summary"] = summarize(report)

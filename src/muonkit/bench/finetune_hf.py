@@ -94,6 +94,7 @@ def finetune_minilm(
     seed: int,
     out_dir: str,
     lr: float = 5e-5,
+    muon_lr: float | None = None,
     weight_decay: float = 0.01,
     epochs: float = 1.0,
     batch_size: int = 32,
@@ -101,7 +102,11 @@ def finetune_minilm(
     max_steps: int = -1,
     device: str = "cpu",
 ) -> dict[str, Any]:
-    """Fine-tune on ``train`` (a :class:`muonkit.bench.labelled.Task`), return test accuracy."""
+    """Fine-tune on ``train`` (a :class:`muonkit.bench.labelled.Task`), return test accuracy.
+
+    ``muon_lr``: the Muon groups' lr for ``optimizer="muon"`` (RMS-matched, ``match_adamw``);
+    None gives them ``lr``, Moonlight's setting. AdamW groups always get ``lr``.
+    """
     import transformers
 
     from muonkit.integrations.transformers import MuonTrainer
@@ -123,7 +128,7 @@ def finetune_minilm(
     if optimizer == "adamw":
         trainer = transformers.Trainer(**common)
     elif optimizer == "muon":
-        trainer = MuonTrainer(**common, muon_options={"muon_lr": lr, "adjust_lr": "match_adamw"})
+        trainer = MuonTrainer(**common, muon_options={"muon_lr": muon_lr or lr, "adjust_lr": "match_adamw"})
     else:
         raise ValueError(f"Invalid optimizer={optimizer!r}: must be 'adamw' or 'muon'")
     start = time.perf_counter()
