@@ -18,13 +18,11 @@ What each column means is in :mod:`muonkit.bench.deepspeed_worker`. Results go t
 from __future__ import annotations
 
 import argparse
-import json
 import time
-from pathlib import Path
 from typing import Any
 
 from muonkit.bench.deepspeed_worker import METHODS
-from muonkit.bench.launch import add_worker_arguments, torchrun_worker
+from muonkit.bench.launch import add_worker_arguments, torchrun_worker, write_report
 
 HELP = "DeepSpeed ZeRO-1/2/3 on 2 CPU ranks: muonkit vs DeepSpeed's Muon vs AdamW (loss, time, bytes, state)"
 _FORWARDED = ("n_layer", "n_embd", "n_head", "vocab", "seq", "batch", "ga", "steps", "warmup", "val_batches", "clip")
@@ -59,11 +57,7 @@ def main(args: argparse.Namespace) -> int:
     setup = {k: getattr(args, k) for k in (*_FORWARDED, "world_size", "stages", "methods", "lr", "adamw_lr", "bf16")}
     setup["configs"] = {m: ds_config(1, m, args) for m in args.methods}
     report = {"setup": setup, "environment": environment(), "run": run, "wall_s": round(time.perf_counter() - start)}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "deepspeed.json").write_text(json.dumps(report, indent=2))
-    print(format_report(report))
-    print(f"\nwrote {out / 'deepspeed.json'}")
+    write_report(args.out, "deepspeed", report, format_report(report))
     return 0
 
 

@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from muonkit.bench.launch import add_worker_arguments, torchrun_worker
+from muonkit.bench.launch import add_worker_arguments, torchrun_worker, write_report
 
 HELP = "DDP and FSDP2 on 2 and 4 CPU ranks: muonkit vs torch.optim.Muon (FLOPs, bytes, step time, memory)"
 LAYOUTS = ("ddp", "fsdp2")
@@ -55,11 +55,7 @@ def main(args: argparse.Namespace) -> int:
 
     runs = {w: _launch(w, args) for w in args.world_sizes}
     report = {"setup": _setup(args), "environment": environment(), "runs": runs}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "dist.json").write_text(json.dumps(report, indent=2))
-    print(format_report(report))
-    print(f"\nwrote {out / 'dist.json'}")
+    write_report(args.out, "dist", report, format_report(report))
     return 0
 
 

@@ -26,6 +26,15 @@ def add_worker_arguments(parser: argparse.ArgumentParser, *, batch_help: str) ->
     parser.add_argument("--result", help=argparse.SUPPRESS)
 
 
+def write_report(out_dir: str, name: str, report: dict[str, Any], text: str) -> None:
+    """Write ``report`` to ``OUT_DIR/NAME.json`` and print its table ``text``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(report, indent=2))
+    print(text)
+    print(f"\nwrote {out / f'{name}.json'}")
+
+
 def free_port() -> int:
     """A port nobody listens on now (other torchrun jobs may share the machine)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
