@@ -62,3 +62,30 @@ def trainer_trains_with_muonkit_on_zero2(ctx: Context) -> None:
     assert seen and all(s == {"muon": 0.02, "adamw": 3e-3} for s in seen), seen
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
     assert losses and all(torch.isfinite(torch.tensor(losses))), losses
+
+
+@check
+def muon_trainer_takes_trainer_setup_on_zero2(ctx: Context) -> None:
+    """``MuonTrainer(..., **setup.trainer_kwargs())``: the DeepSpeed factory wins over make_optimizer."""
+    quiet_deepspeed()
+    from transformers import TrainingArguments
+
+    from muonkit.integrations import deepspeed as mk_ds
+    from muonkit.integrations.transformers import MuonTrainer
+
+    data = [{"input_ids": x, "labels": y} for m in range(GA) for x, y in zip(*batch(0, m, 0), strict=True)]
+    setup = mk_ds.trainer_setup(config(2))
+    args = TrainingArguments(
+        output_dir=str(ctx.out_dir / "hf_muon_trainer"), per_device_train_batch_size=4,
+        gradient_accumulation_steps=GA, max_steps=1, deepspeed=setup.deepspeed, report_to=[],
+        save_strategy="no", seed=0, lr_scheduler_type="constant", use_cpu=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = _LM()
+    trainer = MuonTrainer(model=model, args=args, train_dataset=data, **setup.trainer_kwargs())
+    trainer.train()
+    hybrid = trainer.model_wrapped.optimizer.optimizer
+    assert hybrid.strategy.name == "zero", hybrid.strategy
+    total = torch.tensor([hybrid.strategy.stats.matrices])
+    dist.all_reduce(total)
+    assert total.item() == muon_matrices(model), total.item()
