@@ -53,6 +53,10 @@ class MuonConfig:
         """Matrix-product FLOPs of orthogonalizing one ``rows x cols`` matrix with these settings."""
         return orthogonalization_flops(rows, cols, self.steps, self.ns_method)
 
+    def tensor_flops(self, shape: Sequence[int]) -> int:
+        """FLOPs of orthogonalizing every matrix of a tensor of this (whole) shape under ``layout``."""
+        return sum(b.count * self.flops(b.rows, b.cols) for b in self.layout.blocks(tuple(shape)))
+
     @property
     def steps(self) -> int:
         """The number of Newton-Schulz steps actually run."""

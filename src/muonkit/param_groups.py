@@ -59,18 +59,11 @@ def no_decay_on_vectors(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
             out.append(g)
             continue
         pairs = list(zip(g["params"], g["param_names"], strict=True))
-        for keep in (lambda p: p.ndim >= 2, lambda p: p.ndim < 2):
-            chosen = [(p, n) for p, n in pairs if keep(p)]
+        for matrices, decay in ((True, g["weight_decay"]), (False, 0.0)):
+            chosen = [(p, n) for p, n in pairs if (p.ndim >= 2) == matrices]
             if chosen:
-                decay = g["weight_decay"] if chosen[0][0].ndim >= 2 else 0.0
-                out.append(
-                    {
-                        **g,
-                        "params": [p for p, _ in chosen],
-                        "param_names": [n for _, n in chosen],
-                        "weight_decay": decay,
-                    }
-                )
+                names = [n for _, n in chosen]
+                out.append({**g, "params": [p for p, _ in chosen], "param_names": names, "weight_decay": decay})
     return out
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from muonkit.bench.model import GPT, GPTConfig
-from muonkit.functional.matrices import orthogonalization_flops
+from muonkit.functional import orthogonalization_flops
 
 pytestmark = pytest.mark.distributed
 

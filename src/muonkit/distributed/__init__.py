@@ -23,7 +23,13 @@ __all__ = [
     "Strategy",
     "StrategyStats",
     "select_strategy",
+    "world_size",
 ]
+
+
+def world_size() -> int:
+    """The default process group's size, 1 when torch.distributed is not initialized."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def select_strategy(params: Iterable[Tensor], *, process_group: Any | None = None) -> Strategy:
@@ -50,7 +56,7 @@ def select_strategy(params: Iterable[Tensor], *, process_group: Any | None = Non
         return _dtensor_strategy(params, dtensors, process_group)
     if process_group is not None:
         return ReplicatedStrategy(process_group)
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if world_size() > 1:
         raise ValueError(
             f"torch.distributed is initialized with world size {dist.get_world_size()} and the params are plain "
             "tensors, so HybridMuon cannot tell how they are shared. Pass process_group=torch.distributed.group.WORLD "

@@ -199,7 +199,7 @@ class DTensorStrategy(Strategy):
         sizes = dim0_sizes(shape[0], self.comm.world_size)
         if update.size(0) != sizes[self.comm.rank]:
             raise RuntimeError(f"Local shard of a {shape} param has {update.size(0)} rows; expected {sizes}")
-        cost = sum(b.count * config.flops(b.rows, b.cols) for b in config.layout.blocks(shape))
+        cost = config.tensor_flops(shape)
         experts = config.layout.resolved(len(shape)) == "experts"
         return _Plan(shape, sizes, cost, local=experts or sum(n > 0 for n in sizes) <= 1)
 

@@ -111,7 +111,7 @@ class ZeroStrategy(Strategy):
         self.rank = dist.get_rank(process_group)
         self.world_size = dist.get_world_size(process_group)
         self._layouts: dict[int, tuple[Tensor, FlatLayout]] = {}
-        self._plans: dict[tuple[int, MatrixLayout, int], ExchangePlan] = {}
+        self._plans: dict[tuple[int, MatrixLayout, int, str], ExchangePlan] = {}
 
     def bind(self, flat: Tensor, layout: FlatLayout) -> None:
         """Declare that ``flat`` (a param of the optimizer) is this rank's partition of ``layout``."""
@@ -144,12 +144,9 @@ class ZeroStrategy(Strategy):
     def plan(self, flat: Tensor, config: MuonConfig) -> ExchangePlan:
         """The (cached) exchange plan of a bound flat partition under a group's matrix layout."""
         layout = self.layout_of(flat)
-        key = (id(layout), config.layout, config.steps)
+        key = (id(layout), config.layout, config.steps, config.ns_method)  # everything the costs depend on
         if key not in self._plans:
-            costs = [
-                float(sum(b.count * config.flops(b.rows, b.cols) for b in config.layout.blocks(p.shape)))
-                for p in layout.params
-            ]
+            costs = [float(config.tensor_flops(p.shape)) for p in layout.params]
             self._plans[key] = plan_exchange(layout, costs, self.rank)
         return self._plans[key]
 

@@ -3,10 +3,10 @@
 from muonkit.functional.adamw import adamw_
 from muonkit.functional.coefficients import PRESETS, Preset, resolve_preset
 from muonkit.functional.lr_scaling import ADJUST_LR_CHOICES, lr_scale
-from muonkit.functional.matrices import MatrixBlock, MatrixLayout, orthogonalization_flops
+from muonkit.functional.matrices import MatrixBlock, MatrixLayout
 from muonkit.functional.momentum import muon_momentum_
 from muonkit.functional.muon import NSOptions, muon_apply_, muon_directions
-from muonkit.functional.orthogonalize import default_compute_dtype, orthogonalize
+from muonkit.functional.orthogonalize import default_compute_dtype, orthogonalization_flops, orthogonalize
 
 __all__ = [
     "ADJUST_LR_CHOICES",

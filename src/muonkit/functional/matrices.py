@@ -28,9 +28,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from muonkit.functional.orthogonalize import orthogonalization_flops
-
-__all__ = ["LAYOUT_KINDS", "MatrixBlock", "MatrixLayout", "orthogonalization_flops"]
+__all__ = ["LAYOUT_KINDS", "MatrixBlock", "MatrixLayout"]
 
 LayoutKind = Literal["auto", "matrix", "transposed", "experts", "flatten"]
 LAYOUT_KINDS: tuple[str, ...] = ("auto", "matrix", "transposed", "experts", "flatten")

@@ -29,6 +29,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from muonkit.distributed import world_size
 from muonkit.optimizer import HybridMuon
 from muonkit.param_groups import no_decay_on_vectors, param_groups
 from muonkit.routing import RuleLike
@@ -104,7 +105,7 @@ def make_optimizer(
     FSDP mode is refused (accelerate swaps the parameters after the optimizer exists).
     """
     _check_trainer_mode(args)
-    if process_group is None and _distributed_world_size() > 1:
+    if process_group is None and world_size() > 1:
         process_group = torch.distributed.group.WORLD
     wd = weight_decay if weight_decay is not None else float(getattr(args, "weight_decay", 0.0))
     if adamw_lr is None:
@@ -117,11 +118,6 @@ def make_optimizer(
         split_qkv=split_qkv, muon_options=muon_options, adamw_options=adamw_options,
     )  # fmt: skip
     return HybridMuon(no_decay_on_vectors(groups), process_group=process_group)
-
-
-def _distributed_world_size() -> int:
-    dist = torch.distributed
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def _check_trainer_mode(args: Any | None) -> None:
