@@ -13,6 +13,7 @@ from muonkit.distributed.dtensor import block_scale, dim0_sizes
 from muonkit.distributed.ownership import assign_owners
 from muonkit.functional.lr_scaling import lr_scale
 from muonkit.functional.matrices import MatrixLayout
+from muonkit.functional.muon import NSOptions
 
 
 def _makespan(costs: list[float], owners: list[int], world_size: int) -> float:
@@ -87,3 +88,26 @@ def test_select_strategy_without_torch_distributed() -> None:
     assert isinstance(select_strategy(params), SingleDeviceStrategy)
     with pytest.raises(ValueError, match=r"torch\.distributed is not initialized"):
         muonkit.HybridMuon(params, process_group=object())
+
+
+@pytest.mark.parametrize("method", ["newton_schulz", "gram"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(("kind", "shape", "split"), CASES)
+def test_orthogonalization_does_not_depend_on_how_a_matrix_is_stored(
+    kind: str, shape: tuple, split: tuple | None, dtype: torch.dtype, method: str
+) -> None:
+    """One device orthogonalizes views of the updates (transposed, split, tall ones seen short
+    side first); a DDP owner orthogonalizes stacked copies of the same matrices. The same values
+    in the same batch must give bit-identical results (before the normalization reduced a
+    contiguous copy, its Frobenius norm followed the memory order and could differ by an ulp)."""
+    layout = MatrixLayout(kind, split)  # type: ignore[arg-type]
+    options = NSOptions(dtype=dtype, method=method)
+    g = torch.Generator().manual_seed(0)
+    for trial in range(20):
+        t = torch.randn(shape, generator=g) * 10.0 ** (trial % 5 - 2)
+        for views in layout.to_matrices(t):
+            rows, cols = views.shape[1:]
+            stacked = torch.stack(list(views))
+            got = options.orthogonalize_batches([views], rows=rows, cols=cols)
+            expected = options.orthogonalize_batches([stacked], rows=rows, cols=cols)
+            assert torch.equal(got, expected), f"trial {trial}: {(got - expected).abs().max().item():.3e}"

@@ -138,7 +138,13 @@ def _normalize_into(x: Tensor, out: Tensor, k: float) -> None:
     a plain fp32 reduction gets right (entries above ~1e18 or below ~1e-17), and fp64 input, go
     through a pre-division by ``max|x|`` in fp32 (fp64 for fp64 input), so every finite scale
     works. Checking the range costs one host sync per batch (free on CPU).
+
+    The norm is reduced from a contiguous copy when ``x`` is a strided view (a transposed or
+    split layout, a tall matrix seen short side first): a reduction's summation order follows
+    memory order, so this makes each matrix's result depend on its values alone, not on how the
+    caller stores them (one device passes views, the distributed owners stacked copies).
     """
+    x = x.contiguous()
     if x.dtype != torch.float64:
         norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True, dtype=torch.float32)
         lo, hi = _TRUSTED_NORMS
