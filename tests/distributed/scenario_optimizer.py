@@ -2,19 +2,32 @@
 
 Every rank is given the same global gradient (as DDP's all-reduce or FSDP2's reduce-scatter
 would leave it), so the distributed optimizer and the single-device one see identical inputs.
-Tolerance: none. Each rank does the same elementwise fp32 arithmetic on its slice as the single
-device does on the whole tensor, each matrix is orthogonalized from the same fp32 input, results
-travel in the dtype they were computed in, and the shape scale is applied after the transfer as
-on one device. The only difference is which matrices share a batched matmul call, and batched
-CPU matmul computes every matrix of a batch independently, so we expect, and check, bit
-equality.
+Each rank does the same elementwise fp32 arithmetic on its slice as the single device does on
+the whole tensor, each matrix is orthogonalized from the same fp32 input, results travel in the
+dtype they were computed in, and the shape scale is applied after the transfer as on one device.
+The only difference is which matrices share a batched matmul call, which a matmul kernel may
+round differently: states must be bit-identical, Muon params within the tolerance of
+:mod:`common`, and DDP ranks bit-identical to each other. (On the CPUs we ran, x86 AVX2 and
+AVX512, the params come out bit-identical too.) The comparisons run under both default
+Newton-Schulz dtypes, fp32 and bf16, whatever the CPU supports.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from common import ZOO, ParamSpec, all_sum, build, differences, matrix_count, mesh, set_grads, shard
+from common import (
+    ZOO,
+    ParamSpec,
+    all_sum,
+    build,
+    differences,
+    matrix_count,
+    mesh,
+    rank_differences,
+    set_grads,
+    shard,
+)
 from harness import Context, check
 from torch import nn
 
@@ -40,7 +53,8 @@ def _run(layout: str, ctx: Context, zoo: list[ParamSpec]) -> tuple[list[str], li
         ref_opt.step()
         counted.append(all_sum(opt.strategy.stats.matrices - before))
     assert opt.skipped_steps == ref_opt.skipped_steps == 1, (opt.skipped_steps, ref_opt.skipped_steps)
-    return differences(params, opt, ref_params, ref_opt), counted
+    problems = differences(params, opt, ref_params, ref_opt, zoo)
+    return problems + (rank_differences(params) if layout == "ddp" else []), counted
 
 
 def _poison(p: nn.Parameter, ctx: Context, *, everywhere: bool = False) -> None:
@@ -60,7 +74,7 @@ def sum_rows_before(p: nn.Parameter, ctx: Context) -> int:
     return sum(dim0_sizes(p.shape[0], ctx.world_size)[: ctx.rank])
 
 
-@check(2, 4)
+@check(2, 4, both_ns_defaults=True)
 def ddp_matches_single_device(ctx: Context) -> None:
     problems, counted = _run("ddp", ctx, ZOO)
     assert not problems, "\n".join(problems)
@@ -68,7 +82,7 @@ def ddp_matches_single_device(ctx: Context) -> None:
     assert counted == expected, f"matrices orthogonalized per step over all ranks {counted}, expected {expected}"
 
 
-@check(2, 4)
+@check(2, 4, both_ns_defaults=True)
 def fsdp2_matches_single_device(ctx: Context) -> None:
     problems, counted = _run("fsdp", ctx, ZOO)
     assert not problems, "\n".join(problems)
@@ -89,7 +103,7 @@ def work_is_spread_and_counted(ctx: Context) -> None:
         assert stats.flops <= 0.75 * total, f"{layout}: rank {ctx.rank} did {stats.flops} of {total} FLOPs"
 
 
-@check(2, 4)
+@check(2, 4, both_ns_defaults=True)
 def a_rank_that_owns_no_matrix(ctx: Context) -> None:
     zoo = [ParamSpec("muon", (2, 8)), ParamSpec("adamw", (2,)), ParamSpec("adamw", (6, 3))]
     for layout in ("ddp", "fsdp"):
@@ -100,7 +114,8 @@ def a_rank_that_owns_no_matrix(ctx: Context) -> None:
             set_grads(ref_params, zoo, step)
             opt.step()
             ref_opt.step()
-        problems = differences(params, opt, ref_params, ref_opt)
+        problems = differences(params, opt, ref_params, ref_opt, zoo)
+        problems += rank_differences(params) if layout == "ddp" else []
         assert not problems, f"{layout}: " + "\n".join(problems)
         owners = all_sum(int(opt.strategy.stats.matrices > 0))
         assert owners == 1, f"{layout}: {owners} ranks orthogonalized the single matrix"

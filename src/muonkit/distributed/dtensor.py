@@ -19,8 +19,8 @@ All gathers are started at once, local matrices are computed while they travel, 
 return transfer overlaps the next shape's Newton-Schulz. Row pieces travel to owners in the
 update dtype (fp32, exact); results come back in the Newton-Schulz compute dtype (bf16 by
 default, lossless because ``orthogonalize`` computes in it) and are scaled on arrival, so the
-result matches :class:`SingleDeviceStrategy` bit for bit where batched products are
-batch-size independent.
+result matches :class:`SingleDeviceStrategy` as :mod:`muonkit.distributed.replicated` says:
+states bit for bit, params too where batched products are batch-size independent.
 
 Example (under ``torchrun``)::
 

@@ -20,9 +20,12 @@ Orthogonalization is the expensive part, and each matrix needs it only once:
 
 Results travel in the Newton-Schulz compute dtype (bf16 by default): ``orthogonalize`` computes
 in that dtype and only casts up at the end, so sending it is lossless and halves the bytes; the
-shape scale is applied after the transfer, in the update dtype, exactly as on one device. The
-result is bit-identical to :class:`SingleDeviceStrategy` when batched matrix products give each
-matrix the same result whatever the batch size (they do on the CPUs we test on).
+shape scale is applied after the transfer, in the update dtype, exactly as on one device. Each
+matrix is orthogonalized from the same values as on one device (normalized from a contiguous
+copy, so its storage does not matter either), but in a batch of other matrices: states are
+bit-identical to :class:`SingleDeviceStrategy`, and params are too wherever the batched matrix
+products give each matrix the same result whatever the batch (the x86 CPUs we ran); a kernel that
+does not may move them by its rounding (tests allow 1e-4 of a param's travel in fp32, 2e-2 in bf16).
 
 Example (under ``torchrun``)::
 
