@@ -1,7 +1,8 @@
-"""Shared test setup: deterministic seeds and a bounded hypothesis profile."""
+"""Shared test setup: deterministic seeds, a bounded hypothesis profile, a CPU-independent default NS dtype."""
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 
@@ -29,3 +30,19 @@ torch.set_num_threads(int(os.environ.get("MUONKIT_TEST_THREADS", "1")))
 def _seed() -> None:
     """Every test starts from the same RNG state, whatever ran before it."""
     torch.manual_seed(0)
+
+
+@pytest.fixture(params=[False, True], ids=["fp32_default", "bf16_default"])
+def fast_bf16(request: pytest.FixtureRequest) -> bool:
+    """Run a test as on a CPU without, then with, fast bf16 (default Newton-Schulz dtype fp32, bf16)."""
+    return bool(request.param)
+
+
+@pytest.fixture(autouse=True)
+def _default_ns_dtype(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default compute dtype (``ns_dtype=None``, bench autocast) must not depend on the CPU the
+    suite runs on: it is fp32, as on a CPU without fast bf16, unless the test asks for
+    :func:`fast_bf16`. (The distributed ranks force it themselves, see distributed/harness.py.)"""
+    fast = bool(request.getfixturevalue("fast_bf16")) if "fast_bf16" in request.fixturenames else False
+    module = importlib.import_module("muonkit.functional.orthogonalize")  # the module, not the function
+    monkeypatch.setattr(module, "_cpu_has_fast_bf16", lambda: fast)
