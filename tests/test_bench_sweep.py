@@ -68,5 +68,5 @@ def test_gpu_preset_builds_a_gpt2_small_body_on_cuda() -> None:
     plan = sweep.plan_from_args(args, vocab_size=4096)  # type: ignore[arg-type]
     model = plan.base.model
     assert (model.n_layer, model.n_embd, model.n_head, model.block_size) == (12, 768, 12, 512)
-    assert plan.base.device == "cuda" and plan.base.autocast == "bf16" and plan.base.steps == 1000
+    assert plan.base.device == "cuda" and plan.base.autocast == "auto" and plan.base.steps == 1000
     assert plan.steps(plan.sweep_frac) == 300 and plan.steps(plan.short_frac) == 740

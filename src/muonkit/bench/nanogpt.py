@@ -23,7 +23,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 HELP = "train AdamW and HybridMuon on the same Shakespeare batches; compare loss, tokens-to-loss, time and memory"
 logger = logging.getLogger(__name__)
@@ -62,7 +62,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     hyper.add_argument("--decay-frac", type=float)
     hyper.add_argument("--grad-clip", type=float)
     hyper.add_argument("--split-qkv", action="store_true", help="orthogonalize Q, K, V blocks of c_attn separately")
-    hyper.add_argument("--no-autocast", action="store_true", help="fp32 forward/backward instead of bf16 autocast")
+    hyper.add_argument(
+        "--autocast",
+        choices=("auto", "bf16", "none"),
+        default="auto",
+        help="bf16 autocast for forward/backward: auto (default) = only where bf16 matmul is fast (CUDA, CPUs "
+        "with AVX512-BF16 or AMX), else fp32; bf16 or none force it",
+    )
+    hyper.add_argument("--no-autocast", action="store_true", help="same as --autocast none")
     run = parser.add_argument_group("run")
     run.add_argument("--seed", type=int)
     run.add_argument("--threads", type=int, help="torch threads (default: torch's)")
@@ -85,10 +92,29 @@ def build_configs(args: argparse.Namespace) -> tuple[dict[str, Any], Any]:
     run = {**preset["run"], **{k: getattr(args, k) for k in _RUN_FLAGS if getattr(args, k) is not None}}
     if args.split_qkv:
         run["split_qkv"] = True
-    if args.no_autocast:
-        run["autocast"] = None
+    run["autocast"] = autocast_choice(args)
     # The vocabulary is known once the corpus exists; GPTConfig is rebuilt then (main()).
     return corpus, RunConfig(model=GPTConfig(vocab_size=corpus["vocab_size"], **model), **run)
+
+
+def autocast_choice(args: argparse.Namespace) -> Literal["auto", "bf16"] | None:
+    """``RunConfig.autocast`` from ``--autocast`` and ``--no-autocast`` (also used by the sweep)."""
+    choice = getattr(args, "autocast", "auto")
+    if getattr(args, "no_autocast", False):
+        if choice == "bf16":
+            raise ValueError("Invalid flags --no-autocast with --autocast bf16: give one of them")
+        return None
+    return {"auto": "auto", "bf16": "bf16", "none": None}[choice]
+
+
+def autocast_note(requested: str | None, used: str | None) -> str:
+    """One line saying which autocast the runs used, and why."""
+    what = "bf16 autocast" if used == "bf16" else "no autocast (fp32 forward/backward)"
+    if requested != "auto":
+        return f"{what}: forced (--autocast {requested or 'none'})"
+    if used == "bf16":
+        return f"{what}: auto, this device has fast bf16 matrix products (--autocast none forces fp32)"
+    return f"{what}: auto, this device has no fast bf16 matrix products (--autocast bf16 forces it)"
 
 
 def main(args: argparse.Namespace) -> int:
@@ -114,6 +140,8 @@ def main(args: argparse.Namespace) -> int:
         results[name] = train(dataclasses.replace(base, optimizer=optimizer), corpus, progress=not args.no_progress)
     comparison = compare(results["AdamW"], results["HybridMuon"])
     print(format_table(results, comparison))
+    first = next(iter(results.values()))
+    print(autocast_note(first.config.autocast, first.autocast))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     report = {"preset": args.preset, **_report(results, comparison, corpus.meta, data_s)}
@@ -135,6 +163,11 @@ def _report(results: dict[str, Any], comparison: Any, corpus_meta: dict[str, Any
         "runs": {name: r.to_dict() for name, r in results.items()},
         "config": {k: v for k, v in first.config.to_dict().items() if k != "optimizer"},
         "corpus": {k: v for k, v in corpus_meta.items() if k != "train_plays"},
+        "autocast": {
+            "requested": first.config.autocast,
+            "used": first.autocast,
+            "note": autocast_note(first.config.autocast, first.autocast),
+        },
         "data_prep_s": data_s,
         "environment": {
             **environment(),

@@ -232,6 +232,7 @@ def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
 def plan_from_args(args: argparse.Namespace, *, vocab_size: int) -> SweepPlan:
     """The preset, with any size or run flag of ``muonkit bench nanogpt`` on top."""
     from muonkit.bench.model import GPTConfig
+    from muonkit.bench.nanogpt import autocast_choice
     from muonkit.bench.train import RunConfig
 
     preset = PRESETS[args.sweep]
@@ -243,8 +244,7 @@ def plan_from_args(args: argparse.Namespace, *, vocab_size: int) -> SweepPlan:
     for name in ("steps", "batch_size", "eval_interval", "eval_batches", "device", "threads", "grad_clip"):
         if getattr(args, name, None) is not None:
             run[name] = getattr(args, name)
-    if getattr(args, "no_autocast", False):
-        run["autocast"] = None
+    run["autocast"] = autocast_choice(args)
     base = RunConfig(model=GPTConfig(vocab_size=vocab_size, **model), **run)
 
     def floats(text: str | None, default: tuple[float, ...]) -> tuple[float, ...]:

@@ -42,6 +42,7 @@ import torch
 from torch import Tensor, nn
 
 from muonkit.bench.model import GPT, GPTConfig
+from muonkit.functional.orthogonalize import default_compute_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,7 @@ __all__ = [
     "evaluate",
     "lr_multiplier",
     "optimizer_state_bytes",
+    "resolve_autocast",
     "train",
 ]
 
@@ -96,8 +98,9 @@ class RunConfig:
         eval_interval, eval_batches: evaluate every ``eval_interval`` steps (and at 0 and the
             end) on ``eval_batches`` fixed validation batches of ``batch_size`` sequences.
         seed: seeds the model initialization and the batch order.
-        autocast: ``"bf16"`` (bf16 autocast for forward/backward; fp32 master weights and
-            optimizer) or None (fp32 throughout).
+        autocast: ``"auto"`` (default: bf16 where bf16 matrix products are fast, else None; see
+            :func:`resolve_autocast`), ``"bf16"`` (bf16 autocast for forward/backward; fp32 master
+            weights and optimizer) or None (fp32 throughout).
         threads: ``torch.set_num_threads`` for the run (None: leave torch's setting).
         device: where to train (``"cpu"``, ``"cuda"``).
     """
@@ -122,7 +125,7 @@ class RunConfig:
     eval_interval: int = 50
     eval_batches: int = 8
     seed: int = 0
-    autocast: Literal["bf16"] | None = "bf16"
+    autocast: Literal["auto", "bf16"] | None = "auto"
     threads: int | None = None
     device: str = "cpu"
 
@@ -143,8 +146,8 @@ class RunConfig:
             raise ValueError(f"Invalid warmup_frac + decay_frac = {self.warmup_frac + self.decay_frac}: must be <= 1")
         if self.grad_clip is not None and not self.grad_clip > 0:
             raise ValueError(f"Invalid grad_clip={self.grad_clip!r}: must be None or > 0")
-        if self.autocast not in ("bf16", None):
-            raise ValueError(f"Invalid autocast={self.autocast!r}: must be 'bf16' or None")
+        if self.autocast not in ("auto", "bf16", None):
+            raise ValueError(f"Invalid autocast={self.autocast!r}: must be 'auto', 'bf16' or None")
         if self.threads is not None and self.threads <= 0:
             raise ValueError(f"Invalid threads={self.threads!r}: must be None or a positive int")
 
@@ -192,6 +195,8 @@ class RunResult:
     muon_params: int = 0
     diverged: bool = False
     threads: int = 0
+    autocast: Literal["bf16"] | None = None
+    """The autocast the run used (``config.autocast`` with ``"auto"`` resolved on its device)."""
     model: nn.Module | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -269,8 +274,20 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     )
 
 
+def resolve_autocast(autocast: Literal["auto", "bf16"] | None, device: str) -> Literal["bf16"] | None:
+    """``"auto"`` -> ``"bf16"`` where bf16 matrix products are fast on ``device``, else None.
+
+    The rule ``orthogonalize`` uses for its compute dtype (:func:`default_compute_dtype`): CUDA
+    with bf16 support and CPUs with AVX512-BF16 or AMX. Elsewhere bf16 autocast makes training
+    slower, not faster (CPUs without bf16 units emulate it: 20 demo steps 2x slower on a Xeon).
+    """
+    if autocast != "auto":
+        return autocast
+    return "bf16" if default_compute_dtype(device) == torch.bfloat16 else None
+
+
 def _autocast(config: RunConfig) -> contextlib.AbstractContextManager[Any]:
-    if config.autocast is None:
+    if resolve_autocast(config.autocast, config.device) is None:
         return contextlib.nullcontext()
     return torch.autocast(torch.device(config.device).type, dtype=torch.bfloat16)
 
@@ -324,7 +341,8 @@ def train(
     block = config.model.block_size
     val_set = data.eval_batches(batches=config.eval_batches, batch_size=config.batch_size, block_size=block)
     generator = torch.Generator().manual_seed(config.seed)
-    result = RunResult(config=config, model=model, threads=torch.get_num_threads())
+    autocast = resolve_autocast(config.autocast, config.device)
+    result = RunResult(config=config, model=model, threads=torch.get_num_threads(), autocast=autocast)
     result.num_params = sum(p.numel() for p in model.parameters())
     result.muon_params = sum(
         p.numel() for g in optimizer.param_groups if g.get("algorithm") == "muon" for p in g["params"]
