@@ -12,7 +12,7 @@ How a distributed run is compared with the single-device control on the same gra
   kernel against an exact-then-rounded one moves the zoo's params by <= 6.7e-6 (fp32 Newton-
   Schulz) and <= 9.4e-4 (bf16) of their distance after 4 steps; the tolerances (1e-4, 2e-2) leave
   >10x margin and stay >10x below the smallest error a distribution bug makes (a step skipped or
-  applied twice: 1/3 of the distance; a wrong lr shape scale: >= 15%; another matrix's result:
+  applied twice: 1/3 of the distance; no lr shape scale: 11-67% here; another matrix's result:
   ~100%). A bf16 param adds its storage rounding, which such a difference can flip (2^-8 of the
   weight, ~1% of its distance here, for each flipped entry): 10%.
 - Ranks must agree bit for bit (every rank applies the same shared results), checked separately.
