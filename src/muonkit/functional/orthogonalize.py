@@ -196,9 +196,10 @@ def _newton_schulz(x: Tensor, schedule: Sequence[tuple[float, float, float]]) ->
 
 # Restart the Gram iteration at step 2 and then every 4 steps (2, 6, 10, ...): at most three
 # tracked updates of R between restarts. Measured in fp32 on ill-conditioned (1e3-1e6), low-rank,
-# rank-1, power-law, clustered and Gaussian inputs, 8x64 to 768x3072, every preset, 5-100 steps:
-# restarts every 3, 4 or 5 steps all hold the presets' bands (0 failures), a restart at step 2
-# only fails from 10 steps on (inf from 12). Five steps restart at 2 alone, as before.
+# rank-1, power-law, Cauchy, clustered and Gaussian inputs (8x64 to 32x256, every preset, 5-100
+# steps; 768x3072 with polar_express and keller at 5-32 steps): restarts every 3, 4 or 5 steps all
+# hold the presets' bands (0 failures); a restart at step 2 alone fails from 10 steps (inf from
+# 12). Up to 6 steps that is the only restart, as before.
 _GRAM_FIRST_RESTART, _GRAM_RESTART_EVERY = 2, 4
 
 
