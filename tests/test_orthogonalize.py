@@ -14,7 +14,9 @@ Tolerances, and why:
 from __future__ import annotations
 
 import re
+from decimal import Decimal
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
@@ -173,20 +175,69 @@ def test_low_precision_input_keeps_its_dtype() -> None:
     ("kwargs", "x", "message"),
     [
         ({}, torch.randn(5), "orthogonalize needs a matrix or a batch of matrices, got shape (5,)"),
-        ({}, torch.randn(4, 4, dtype=torch.complex64), "orthogonalize does not support complex tensors"),
+        (
+            {},
+            torch.randn(4, 4, dtype=torch.complex64),
+            "orthogonalize needs real floating-point tensors, got torch.complex64",
+        ),
+        ({}, torch.ones(4, 4, dtype=torch.int64), "orthogonalize needs real floating-point tensors, got torch.int64"),
         ({"dtype": torch.float16}, torch.randn(4, 4), "Invalid dtype=torch.float16 on CPU"),
-        ({"coefficients": "newton"}, torch.randn(4, 4), "Invalid ns_coefficients='newton'"),
-        ({"steps": 0}, torch.randn(4, 4), "Invalid ns_steps=0: must be >= 1"),
+        ({"dtype": torch.complex64}, torch.randn(4, 4), "Invalid dtype=torch.complex64: must be None, torch.float32"),
+        ({"dtype": torch.int32}, torch.randn(4, 4), "Invalid dtype=torch.int32: must be None, torch.float32"),
+        ({"dtype": "float32"}, torch.randn(4, 4), "Invalid dtype='float32': must be None, torch.float32"),
+        ({"coefficients": "newton"}, torch.randn(4, 4), "Invalid coefficients='newton': must be one of"),
+        ({"steps": 0}, torch.randn(4, 4), "Invalid steps=0: must be None or an int in [1, 100]"),
+        ({"steps": 101}, torch.randn(4, 4), "Invalid steps=101: must be None or an int in [1, 100]"),
+        ({"steps": True}, torch.randn(4, 4), "Invalid steps=True: must be None or an int in [1, 100]"),
+        ({"steps": 2.0}, torch.randn(4, 4), "Invalid steps=2.0: must be None or an int in [1, 100]"),
+        ({"eps": -1.02}, torch.randn(4, 4), "Invalid eps=-1.02: must be > 0"),
+        ({"eps": 0.0}, torch.randn(4, 4), "Invalid eps=0.0: must be > 0"),
+        ({"eps": float("inf")}, torch.randn(4, 4), "Invalid eps=inf: must be a finite number"),
+        ({"eps": float("nan")}, torch.randn(4, 4), "Invalid eps=nan: must be a finite number"),
+        ({"eps": True}, torch.randn(4, 4), "Invalid eps=True: must be a finite number"),
+        ({"eps": "1e-7"}, torch.randn(4, 4), "Invalid eps='1e-7': must be a finite number"),
+        ({"eps": Decimal("NaN")}, torch.randn(4, 4), "Invalid eps=Decimal('NaN'): must be a finite number"),
+        ({"method": "svd"}, torch.randn(4, 4), "Invalid method='svd': must be one of ('newton_schulz', 'gram')"),
         (
             {"coefficients": [(1.0, 2.0)]},
             torch.randn(4, 4),
-            "Invalid ns_coefficients=[(1.0, 2.0)]: each step must be an (a, b, c) triple",
+            "Invalid coefficients=[(1.0, 2.0)]: each step must be an (a, b, c) triple",
         ),
+        (
+            {"coefficients": [(1.0, 2.0, float("nan"))]},
+            torch.randn(4, 4),
+            "Invalid coefficients=[(1.0, 2.0, nan)]: each step must be an (a, b, c) triple of finite floats",
+        ),
+        ({"coefficients": []}, torch.randn(4, 4), "Invalid coefficients=[]: need at least one (a, b, c) triple"),
+        # Checked before the early return for empty input: bad arguments never pass silently.
+        ({"eps": -1.0}, torch.randn(0, 8), "Invalid eps=-1.0: must be > 0"),
     ],
 )
 def test_bad_arguments_raise(kwargs: dict, x: torch.Tensor, message: str) -> None:
     with pytest.raises(ValueError, match="^" + re.escape(message)):
         muonkit.orthogonalize(x, **kwargs)
+
+
+def test_numpy_and_decimal_scalars_are_accepted() -> None:
+    x = torch.randn(12, 20, dtype=F64)
+    expected = muonkit.orthogonalize(x, coefficients="keller", steps=6, eps=1e-7, dtype=F64)
+    steps, eps = np.int64(6), np.float32(1e-7)
+    got = muonkit.orthogonalize(x, coefficients="keller", steps=steps, eps=eps, dtype=F64)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-9)  # eps differs by fp32 rounding
+    schedule = [tuple(np.float32(v) for v in ref.KELLER[0])]
+    by_numpy = muonkit.orthogonalize(x, coefficients=schedule, steps=6, eps=Decimal("1e-7"), dtype=F64)
+    by_float = muonkit.orthogonalize(
+        x, coefficients=[tuple(float(np.float32(v)) for v in ref.KELLER[0])], steps=6, dtype=F64
+    )
+    assert torch.equal(by_numpy, by_float)
+
+
+@pytest.mark.parametrize("shape", [(0, 8), (8, 0), (0, 0), (3, 0, 5), (0, 4, 8), (2, 0, 3, 3)])
+@pytest.mark.parametrize("method", ["newton_schulz", "gram"])
+@pytest.mark.parametrize("in_dtype", [torch.float32, torch.bfloat16, F64], ids=str)
+def test_empty_in_empty_out(shape: tuple[int, ...], method: str, in_dtype: torch.dtype) -> None:
+    o = muonkit.orthogonalize(torch.empty(shape, dtype=in_dtype), method=method)
+    assert o.shape == shape and o.dtype == in_dtype
 
 
 @given(

@@ -7,7 +7,6 @@ dataclass. Every error names the key, the value and what is allowed.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -19,6 +18,13 @@ from muonkit.functional.lr_scaling import ADJUST_LR_CHOICES
 from muonkit.functional.matrices import LAYOUT_KINDS, MatrixLayout
 from muonkit.functional.muon import NSOptions
 from muonkit.functional.orthogonalize import METHODS, orthogonalization_flops
+from muonkit.functional.validation import flag as _bool
+from muonkit.functional.validation import nonneg as _nonneg
+from muonkit.functional.validation import ns_dtype as _ns_dtype
+from muonkit.functional.validation import ns_steps as _ns_steps
+from muonkit.functional.validation import positive as _positive
+from muonkit.functional.validation import positive_int as _positive_int
+from muonkit.functional.validation import unit as _unit
 
 Algorithm = Literal["muon", "adamw"]
 ALGORITHMS: tuple[str, ...] = ("muon", "adamw")
@@ -51,7 +57,7 @@ class MuonConfig:
 
     def flops(self, rows: int, cols: int) -> int:
         """Matrix-product FLOPs of orthogonalizing one ``rows x cols`` matrix with these settings."""
-        return orthogonalization_flops(rows, cols, self.steps, self.ns_method)
+        return orthogonalization_flops(rows, cols, self.steps, self.ns_method, self.ns_dtype)
 
     def tensor_flops(self, shape: Sequence[int]) -> int:
         """FLOPs of orthogonalizing every matrix of a tensor of this (whole) shape under ``layout``."""
@@ -88,11 +94,7 @@ def group_config(group: Mapping[str, Any], index: int | None = None) -> MuonConf
 
 def _muon_config(g: Mapping[str, Any]) -> MuonConfig:
     ns_coefficients = g["ns_coefficients"]
-    ns_steps = g["ns_steps"]
-    if ns_steps is not None and (
-        not isinstance(ns_steps, int) or isinstance(ns_steps, bool) or not 1 <= ns_steps <= 100
-    ):
-        raise ValueError(f"Invalid ns_steps={ns_steps!r}: must be None or an int in [1, 100]")
+    ns_steps = _ns_steps("ns_steps", g["ns_steps"])
     resolve_preset(ns_coefficients, steps=ns_steps)  # raises on a bad preset
     if not isinstance(ns_coefficients, str):
         ns_coefficients = as_schedule(ns_coefficients)
@@ -106,11 +108,7 @@ def _muon_config(g: Mapping[str, Any]) -> MuonConfig:
     if split is not None and (isinstance(split, str) or not isinstance(split, Sequence)):
         raise ValueError(f"Invalid split_sizes={split!r}: must be None or a non-empty sequence of positive row counts")
     split_sizes = None if split is None else tuple(_positive_int("split_sizes", s) for s in split)
-    ns_dtype = g["ns_dtype"]
-    if ns_dtype not in (None, torch.float32, torch.bfloat16, torch.float16, torch.float64):
-        raise ValueError(
-            f"Invalid ns_dtype={ns_dtype!r}: must be None, torch.float32, torch.bfloat16, torch.float64 or (GPU only) torch.float16"
-        )
+    ns_dtype = _ns_dtype("ns_dtype", g["ns_dtype"])
     ns_method = g.get("ns_method", "gram")
     if ns_method not in METHODS:
         raise ValueError(f"Invalid ns_method={ns_method!r}: must be one of {METHODS}")
@@ -140,44 +138,3 @@ def _adamw_config(g: Mapping[str, Any]) -> AdamWConfig:
         eps=_positive("eps", g["eps"]),
         weight_decay=_nonneg("weight_decay", g["weight_decay"]),
     )
-
-
-def _number(name: str, value: Any) -> float:
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        value = value.item()
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"Invalid {name}={value!r}: must be a finite number")
-    return float(value)
-
-
-def _nonneg(name: str, value: Any) -> float:
-    v = _number(name, value)
-    if v < 0:
-        raise ValueError(f"Invalid {name}={value!r}: must be >= 0")
-    return v
-
-
-def _positive(name: str, value: Any) -> float:
-    v = _number(name, value)
-    if v <= 0:
-        raise ValueError(f"Invalid {name}={value!r}: must be > 0")
-    return v
-
-
-def _unit(name: str, value: Any) -> float:
-    v = _number(name, value)
-    if not 0.0 <= v < 1.0:
-        raise ValueError(f"Invalid {name}={value!r}: must be in [0, 1)")
-    return v
-
-
-def _bool(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(f"Invalid {name}={value!r}: must be True or False")
-    return value
-
-
-def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"Invalid {name} entry {value!r}: must be a positive int")
-    return value

@@ -22,14 +22,24 @@ Example::
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
+from muonkit.functional import validation as check
 from muonkit.functional.coefficients import resolve_preset
 
-__all__ = ["METHODS", "default_compute_dtype", "orthogonalization_flops", "orthogonalize", "orthogonalize_batches"]
+__all__ = [
+    "METHODS",
+    "default_compute_dtype",
+    "gram_restarts",
+    "orthogonalization_flops",
+    "orthogonalize",
+    "orthogonalize_batches",
+    "uses_gram",
+]
 
 METHODS: tuple[str, ...] = ("newton_schulz", "gram")
 
@@ -63,24 +73,28 @@ def orthogonalize(
     """Approximate polar factor of a matrix or of each matrix in a batch ``(..., m, n)``.
 
     Args:
-        x: a matrix or a batch of matrices; returned with the same shape and dtype.
+        x: a real floating matrix or batch of matrices; returned with the same shape and dtype
+            (an empty one, e.g. ``(0, 8)``, comes back empty).
         coefficients: ``"polar_express"`` (default), ``"keller"``, ``"you"`` or a sequence of
             ``(a, b, c)`` steps. See :mod:`muonkit.functional.coefficients` for each preset's
             singular-value band.
-        steps: number of iterations (default: the preset's own, 5 for all built-ins).
-        eps: relative margin in the normalization ``U / ((k + eps) ||U||_F)``; an all-zero
-            matrix maps to zero.
-        dtype: compute dtype of the matrix products (default: :func:`default_compute_dtype`).
+        steps: number of iterations, an int in [1, 100] (default: the preset's own, 5 for all
+            built-ins).
+        eps: relative margin in the normalization ``U / ((k + eps) ||U||_F)``, a finite number
+            > 0; an all-zero matrix maps to zero.
+        dtype: compute dtype of the matrix products, float32, bfloat16, float64 or (GPU only)
+            float16 (default: :func:`default_compute_dtype`).
         method: ``"newton_schulz"`` (default) iterates on ``X``; ``"gram"`` iterates on the small
             Gram matrix (:func:`_gram_newton_schulz`), the same polynomial in exact arithmetic and
-            fewer FLOPs when the aspect ratio is >= 2; other shapes use ``"newton_schulz"``.
+            fewer FLOPs, where it is safe: aspect ratio >= 2 and fp32 or fp64 compute. Other
+            shapes, and bf16 or fp16 compute, use ``"newton_schulz"`` (see :func:`uses_gram`).
     """
     if x.ndim < 2:
         raise ValueError(f"orthogonalize needs a matrix or a batch of matrices, got shape {tuple(x.shape)}")
-    batch_shape = x.shape[:-2]
-    flat = x.reshape(-1, x.size(-2), x.size(-1))
+    batch_shape, (rows, cols) = x.shape[:-2], x.shape[-2:]
+    flat = x.reshape(math.prod(batch_shape), rows, cols)
     out = orthogonalize_batches([flat], coefficients=coefficients, steps=steps, eps=eps, dtype=dtype, method=method)
-    return out.reshape(*batch_shape, x.size(-2), x.size(-1))
+    return out.reshape(x.shape)
 
 
 def orthogonalize_batches(
@@ -100,22 +114,26 @@ def orthogonalize_batches(
     back: the Muon step's batching and lr shape scale at no extra pass over the data.
     """
     first = parts[0]
-    if first.is_complex():
-        raise ValueError("orthogonalize does not support complex tensors")
+    if first.is_complex() or not first.is_floating_point():
+        raise ValueError(f"orthogonalize needs real floating-point tensors, got {first.dtype}")
     if method not in METHODS:
         raise ValueError(f"Invalid method={method!r}: must be one of {METHODS}")
-    schedule, norm_factor = resolve_preset(coefficients, steps=steps)
-    compute = dtype if dtype is not None else default_compute_dtype(first.device)
+    steps = check.ns_steps("steps", steps)
+    eps = check.positive("eps", eps)
+    schedule, norm_factor = resolve_preset(coefficients, steps=steps, name="coefficients")
+    compute = check.ns_dtype("dtype", dtype) or default_compute_dtype(first.device)
     if compute == torch.float16 and first.device.type == "cpu":
         raise ValueError("Invalid dtype=torch.float16 on CPU: fp16 matmul is ~1000x slower there; use bf16 or fp32")
     tall = first.size(-2) > first.size(-1)
     short, long = sorted((first.size(-2), first.size(-1)))
     work = torch.empty((sum(p.size(0) for p in parts), short, long), dtype=compute, device=first.device)
+    if work.numel() == 0:  # no matrices, or matrices with no rows or columns: nothing to do
+        return torch.empty((work.size(0), first.size(-2), first.size(-1)), dtype=first.dtype, device=first.device)
     offset = 0
     for part in parts:
         _normalize_into(part.mT if tall else part, work[offset : offset + part.size(0)], norm_factor + eps)
         offset += part.size(0)
-    iterate = _gram_newton_schulz if method == "gram" and 2 * short <= long else _newton_schulz
+    iterate = _gram_newton_schulz if uses_gram(short, long, method=method, dtype=compute) else _newton_schulz
     out = iterate(work, schedule)
     out = out.mT if tall else out
     if out.dtype == first.dtype and scale == 1.0:
@@ -124,6 +142,19 @@ def orthogonalize_batches(
     # float would keep bf16 arithmetic): fp32(out) * scale, rounded once, in the same pass as the cast.
     wide = torch.promote_types(out.dtype, first.dtype)
     return torch.mul(out, torch.full((1, 1, 1), scale, dtype=wide, device=first.device)).to(first.dtype)
+
+
+def uses_gram(rows: int, cols: int, *, method: str, dtype: torch.dtype | None) -> bool:
+    """Whether ``method`` runs the Gram iteration on a ``rows x cols`` matrix in ``dtype``.
+
+    Only for ``method="gram"``, aspect ratio >= 2 (else it saves nothing) and fp32 or fp64
+    compute (``dtype=None`` counts as fp32). In bf16 and fp16 the rounding of the tracked Gram
+    matrix compounds between restarts until singular values leave the band or diverge, however
+    often it is restarted short of every step (measured: see :func:`_gram_newton_schulz`), so
+    there ``"gram"`` runs the plain iteration.
+    """
+    m, n = sorted((rows, cols))
+    return method == "gram" and 2 * m <= n and dtype in (None, torch.float32, torch.float64)
 
 
 # Frobenius norms in this range are computed without overflow or underflow by a plain fp32
@@ -169,42 +200,61 @@ def _newton_schulz(x: Tensor, schedule: Sequence[tuple[float, float, float]]) ->
     return x
 
 
-_GRAM_RESTARTS = (2,)
+# Restart the Gram iteration at step 2 and then every 4 steps (2, 6, 10, ...): at most three
+# tracked updates of R between restarts. Measured in fp32 on ill-conditioned (1e3-1e6), low-rank,
+# rank-1, power-law, Cauchy, clustered and Gaussian inputs (8x64 to 32x256, every preset, 5-100
+# steps; 768x3072 with polar_express and keller at 5-32 steps): restarts every 3, 4 or 5 steps all
+# hold the presets' bands (0 failures); a restart at step 2 alone fails from 10 steps (inf from
+# 12). Up to 6 steps that is the only restart, as before.
+_GRAM_FIRST_RESTART, _GRAM_RESTART_EVERY = 2, 4
 
 
-def orthogonalization_flops(rows: int, cols: int, steps: int, method: str = "newton_schulz") -> int:
+def gram_restarts(steps: int) -> tuple[int, ...]:
+    """The steps at which the Gram iteration rebuilds ``X`` and recomputes ``R = X X^T``."""
+    return tuple(range(_GRAM_FIRST_RESTART, steps, _GRAM_RESTART_EVERY))
+
+
+def orthogonalization_flops(
+    rows: int, cols: int, steps: int, method: str = "newton_schulz", dtype: torch.dtype | None = None
+) -> int:
     """Matrix-product FLOPs of ``orthogonalize`` on one ``rows x cols`` matrix (m <= n its sides).
 
     Plain iteration, per step: ``X X^T`` (2 m^2 n), ``A A`` (2 m^3), ``B X`` (2 m^2 n). Gram
-    (where it applies, n >= 2m): ``X X^T`` and ``Q X`` once (2 m^2 n each), per step ``P`` (2 m^3),
-    ``P Q`` (2 m^3, from the second step) and ``P R P`` (4 m^3, except before a restart and
-    after the last step), and 4 m^2 n per restart.
+    (where :func:`uses_gram`; ``dtype`` is the compute dtype, None counting as fp32): ``X X^T``
+    and ``Q X`` once (2 m^2 n each), per step ``P`` (2 m^3), ``P Q`` (2 m^3, except right after
+    the start or a restart) and ``P R P`` (4 m^3, except before a restart and after the last
+    step), and 4 m^2 n per restart (:func:`gram_restarts`).
     """
     m, n = min(rows, cols), max(rows, cols)
-    if method != "gram" or 2 * m > n:
+    if not uses_gram(m, n, method=method, dtype=dtype):
         return steps * (4 * m * m * n + 2 * m**3)
-    flops, fresh = 4 * m * m * n, True
+    restarts = gram_restarts(steps)
+    flops = 4 * m * m * n + len(restarts) * 4 * m * m * n
     for i in range(steps):
-        if i in _GRAM_RESTARTS and not fresh:
-            flops, fresh = flops + 4 * m * m * n, True
-        flops += 2 * m**3 + (0 if fresh else 2 * m**3)
-        fresh = False
-        if i + 1 < steps and i + 1 not in _GRAM_RESTARTS:
+        flops += 2 * m**3 + (0 if i == 0 or i in restarts else 2 * m**3)
+        if i + 1 < steps and i + 1 not in restarts:
             flops += 4 * m**3
     return flops
 
 
-def _gram_newton_schulz(
-    x: Tensor, schedule: Sequence[tuple[float, float, float]], *, restarts: tuple[int, ...] = _GRAM_RESTARTS
-) -> Tensor:
+def _gram_newton_schulz(x: Tensor, schedule: Sequence[tuple[float, float, float]]) -> Tensor:
     """The same iteration run on the n x n Gram matrix of a batch (B, n, m), n <= m/2.
 
     Each step is ``X <- P X`` with ``P = a I + b R + c R^2`` and ``R = X X^T``. Since P is a
     polynomial in R, ``X_k = Q_k X_0`` with ``Q <- P Q`` and ``R <- P R P``: all n x n products
     except one ``X X^T`` at the start and ``Q X`` at the end. Per step 4 n^3 + 4 n^3 FLOPs instead
-    of 4 n^2 m + 2 n^3. Rounding in R compounds in low precision, so at each step in ``restarts``
-    ``X`` is rebuilt from ``Q`` and R recomputed from it (one extra pair of n x m products).
+    of 4 n^2 m + 2 n^3.
+
+    Unlike the plain iteration, nothing pulls the tracked R back to the Gram matrix of ``Q X_0``:
+    its rounding error (and negative eigenvalues where X is rank-deficient or ill-conditioned)
+    grows by up to a^2 (66 for Polar Express's first step, 5.5 for its last) at each update, and a
+    negative eigenvalue r makes ``a + b r + c r^2`` grow without bound. So at each step of
+    :func:`gram_restarts` ``X`` is rebuilt from ``Q`` and R recomputed from it. That bounds the
+    growth in fp32 and fp64 (fp32 error ~1e-7 times at most ~1e4); in bf16 (~4e-3) even a restart
+    every second step measured singular values up to 19 (Polar Express, 5 steps) and diverged to
+    inf from 8 steps, so :func:`uses_gram` keeps bf16 and fp16 on the plain iteration.
     """
+    restarts = gram_restarts(len(schedule))
     gram = torch.bmm(x, x.mT)
     q: Tensor | None = None
     for i, (a, b, c) in enumerate(schedule):
