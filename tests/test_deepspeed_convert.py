@@ -184,3 +184,12 @@ def test_a_failed_conversion_leaves_the_previous_output_whole(tmp_path: Path, mo
     convert(ckpt, world_size=2, output=out)  # the next run cleans up and replaces it
     assert sorted(os.listdir(out)) == ["latest", "step2"]
     assert len(os.listdir(out / "step2")) == 4
+
+
+def test_help_says_what_is_unpickled(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["convert-deepspeed", "--help"])
+    assert info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "torch.load(weights_only=True)" in text and "never unpickled" in text
+    assert "engine.load_checkpoint unpickles with weights_only=False" in text
