@@ -146,6 +146,18 @@ def _adamw_state(key: str, value: Any) -> Edit:
     return lambda sd: sd["state"][_adamw_pid(sd)].__setitem__(key, value)
 
 
+def _poison(key: str, value: float) -> Edit:
+    """One element of a trained state set to ``value`` (the rest stays plausible)."""
+
+    def edit(sd: dict[str, Any]) -> None:
+        pid = _muon_pid(sd) if key == "momentum_buffer" else _adamw_pid(sd)
+        state = sd["state"][pid][key].clone()
+        state.view(-1)[3] = value
+        sd["state"][pid][key] = state
+
+    return edit
+
+
 # Tiny's groups from param_groups: 0 = AdamW (embedding, biases, norm, head: 7 params),
 # 1 = Muon (up.weight (32, 16), down.weight (16, 32)): param 7 is the first Muon param.
 # (what is wrong, how to break a good state dict, the start of the error message)
@@ -217,6 +229,31 @@ BAD_STATES: list[tuple[str, Edit, str]] = [
         "bad step",
         _adamw_state("step", "three"),
         "Saved step of param 0 (group 0) is 'three': must be a number >= 0 or a one-element tensor",
+    ),
+    (
+        "NaN exp_avg_sq",
+        _poison("exp_avg_sq", float("nan")),
+        "Saved exp_avg_sq of param 0 (group 0) has non-finite values (min nan, max nan): must be finite",
+    ),
+    (
+        "negative exp_avg_sq",
+        _poison("exp_avg_sq", -1e-6),
+        "Saved exp_avg_sq of param 0 (group 0) has negative values (min -1e-06): must be >= 0",
+    ),
+    (
+        "inf exp_avg",
+        _poison("exp_avg", float("inf")),
+        "Saved exp_avg of param 0 (group 0) has non-finite values (min -",
+    ),
+    (
+        "-inf momentum",
+        _poison("momentum_buffer", -float("inf")),
+        "Saved momentum_buffer of param 7 (group 1) has non-finite values (min -inf, max ",
+    ),
+    (
+        "AdamW state for a Muon param",
+        _muon_state("exp_avg", torch.zeros(32, 16)),
+        "Saved state of param 7 (group 1, muon) has keys a muon group does not keep: ['exp_avg']",
     ),
     (
         "negative step",

@@ -46,12 +46,26 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--split-qkv", action="store_true", help="split fused QKV projections into Q, K, V blocks")
     inspect.add_argument("--json", metavar="PATH", help="also write the report as JSON")
     convert = commands.add_parser(
-        "convert-deepspeed", help="rewrite a DeepSpeed ZeRO checkpoint of a muonkit run for another world size"
+        "convert-deepspeed",
+        help="rewrite a DeepSpeed ZeRO checkpoint of a muonkit run for another world size",
+        description=(
+            "Rewrite a DeepSpeed ZeRO checkpoint of a muonkit run for another data-parallel world size. "
+            "Files are read with torch.load(weights_only=True): tensors, plain containers and the few "
+            "DeepSpeed classes its checkpoints hold (loss scaler, ZeRO stage, fragment addresses); a "
+            "file holding any other object is refused, never unpickled. OUTPUT/TAG is written aside and "
+            "renamed into place; nothing is written outside OUTPUT. Note: DeepSpeed's own "
+            "engine.load_checkpoint unpickles with weights_only=False, so load only checkpoints you trust."
+        ),
     )
     convert.add_argument("checkpoint", help="the directory given to engine.save_checkpoint")
     convert.add_argument("--world-size", type=int, required=True, help="data-parallel ranks that will load it")
-    convert.add_argument("--output", required=True, help="directory to write the converted checkpoint to")
-    convert.add_argument("--tag", default=None, help="checkpoint tag (default: the one in CHECKPOINT/latest)")
+    convert.add_argument(
+        "--output", required=True, help="directory to write the converted checkpoint to (outside CHECKPOINT)"
+    )
+    convert.add_argument(
+        "--tag", default=None,
+        help="checkpoint tag, a directory name inside CHECKPOINT (default: the one in CHECKPOINT/latest)",
+    )  # fmt: skip
     convert.set_defaults(run=_convert_deepspeed)
     bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     for name, module_name in BENCHES.items():

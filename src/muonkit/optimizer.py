@@ -8,6 +8,7 @@ The optimizer validates, keeps state and orchestrates; the math lives in
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal, cast
 
@@ -17,6 +18,7 @@ from torch.optim import Optimizer
 
 from muonkit.config import AdamWConfig, MuonConfig, group_config
 from muonkit.distributed import Strategy, select_strategy
+from muonkit.foreign_state import muonkit_group
 from muonkit.functional.adamw import adamw_
 from muonkit.functional.momentum import muon_momentum_
 from muonkit.functional.muon import muon_apply_
@@ -259,9 +261,12 @@ class HybridMuon(Optimizer):
 
         Saved hyperparameters replace the current ones; a key the checkpoint lacks (saved before
         that option existed) keeps its current value. States are copied, never aliasing
-        ``state_dict``; momentum and moments stay fp32 for low-precision params.
+        ``state_dict``; momentum and moments stay fp32 for low-precision params. State saved by
+        ``torch.optim.AdamW`` (for AdamW groups) or ``torch.optim.Muon`` (for Muon groups) loads
+        where it maps cleanly (:mod:`muonkit.foreign_state`); other optimizers' state, and state
+        values that would wreck the next step (non-finite, negative ``exp_avg_sq``), raise.
         """
-        self._check_state_dict(state_dict)
+        state_dict = self._check_state_dict(state_dict)
         current = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
         saved = state_dict["state"]
         ids = [pid for g in state_dict["param_groups"] for pid in g["params"]]
@@ -278,7 +283,8 @@ class HybridMuon(Optimizer):
                 elif isinstance(value, Tensor):
                     self.state[p][key] = value.to(device=p.device, dtype=self._state_dtype(p), copy=True)
 
-    def _check_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+    def _check_state_dict(self, state_dict: Mapping[str, Any]) -> dict[str, Any]:
+        """Validate ``state_dict`` against these groups; returns it with muonkit's group keys."""
         if (
             not isinstance(state_dict, Mapping)
             or not isinstance(state_dict.get("state"), Mapping)
@@ -291,6 +297,7 @@ class HybridMuon(Optimizer):
                 f"Optimizer state has {len(saved_groups)} param groups, this optimizer has {len(self.param_groups)}"
             )
         index = 0
+        groups: list[dict[str, Any]] = []
         for gi, (group, saved) in enumerate(zip(self.param_groups, saved_groups, strict=True)):
             if not isinstance(saved, Mapping) or not isinstance(saved.get("params"), Sequence):
                 raise ValueError(f"Invalid optimizer state: param group {gi} has no 'params' list")
@@ -298,7 +305,9 @@ class HybridMuon(Optimizer):
                 raise ValueError(
                     f"Param group {gi} has {len(group['params'])} params, the saved state has {len(saved['params'])}"
                 )
-            algorithm = saved.get("algorithm", group["algorithm"])
+            saved = muonkit_group(saved, group["algorithm"], gi)
+            groups.append(saved)
+            algorithm = saved["algorithm"]
             if algorithm != group["algorithm"]:
                 raise ValueError(
                     f"Param group {gi} is {group['algorithm']!r} here but {algorithm!r} in the saved state"
@@ -309,8 +318,9 @@ class HybridMuon(Optimizer):
                 shapes = [s for p in group["params"] for s in self.strategy.whole_shapes(p)]
                 _check_muon_params(group["params"], merged, gi, shapes=shapes)
             for p, pid in zip(group["params"], saved["params"], strict=True):
-                _check_param_state(state_dict["state"].get(pid), p, algorithm, gi, index)
+                _check_param_state(state_dict["state"].get(pid), p, algorithm, gi, index, local=self.strategy.local)
                 index += 1
+        return {**state_dict, "param_groups": groups}
 
 
 def _all_finite(tensors: list[Tensor]) -> Tensor:
@@ -372,15 +382,24 @@ def _check_ns_dtype(config: MuonConfig, params: Sequence[Tensor], index: int) ->
         )
 
 
-def _check_param_state(state: Mapping[str, Any] | None, p: Tensor, algorithm: str, group: int, index: int) -> None:
+def _check_param_state(
+    state: Mapping[str, Any] | None,
+    p: Tensor,
+    algorithm: str,
+    group: int,
+    index: int,
+    *,
+    local: Callable[[Tensor], Tensor],
+) -> None:
+    """``local``: the part of a (sharded) state this rank holds, where its values are checked."""
     if not state:
         return
     expected = _STATE_KEYS[algorithm]
     missing = [k for k in expected if k not in state]
-    if missing:
-        raise ValueError(
-            f"Saved state of param {index} (group {group}, {algorithm}) lacks {missing}; has {sorted(state)}"
-        )
+    unexpected = sorted(k for k in state if k not in expected)
+    if missing or unexpected:
+        what = f"lacks {missing}" if missing else f"has keys a {algorithm} group does not keep: {unexpected}"
+        raise ValueError(f"Saved state of param {index} (group {group}, {algorithm}) {what}; has {sorted(state)}")
     for key in expected:
         value = state[key]
         if key == "step":
@@ -395,6 +414,24 @@ def _check_param_state(state: Mapping[str, Any] | None, p: Tensor, algorithm: st
             raise ValueError(
                 f"Saved {key} of param {index} (group {group}) has dtype {value.dtype}: must be floating point"
             )
+        _check_state_values(local(value), key, group, index)
+
+
+def _check_state_values(value: Tensor, key: str, group: int, index: int) -> None:
+    """Non-finite momentum or moments, or a negative second moment, would turn the next step's
+    update into NaN (and the params with it); refuse them at load time."""
+    if value.numel() == 0:
+        return
+    low, high = (float(x) for x in torch.aminmax(value.detach()))  # NaN propagates to both
+    if not (math.isfinite(low) and math.isfinite(high)):
+        raise ValueError(
+            f"Saved {key} of param {index} (group {group}) has non-finite values (min {low:.4g}, max {high:.4g}): "
+            "must be finite"
+        )
+    if key == "exp_avg_sq" and low < 0:
+        raise ValueError(
+            f"Saved exp_avg_sq of param {index} (group {group}) has negative values (min {low:.4g}): must be >= 0"
+        )
 
 
 def _check_step(value: Any, group: int, index: int) -> None:

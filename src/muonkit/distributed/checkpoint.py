@@ -10,6 +10,16 @@ by parameter name and are whole tensors (or DTensors) shaped like their paramete
 Every rank must call them (they are collective when torch.distributed is initialized); on a
 single process without a process group they work too.
 
+Saving never destroys the previous checkpoint at ``path``: every rank writes into
+``path.muonkit-tmp``, and once DCP has written its metadata (the last file), rank 0 swaps the
+new directory into place atomically (:mod:`muonkit.atomic`); a ``kill -9`` at any moment
+leaves the previous or the new checkpoint loadable. ``path`` must therefore be a directory
+that all ranks see (one shared file system), and ``save_checkpoint`` owns it: it replaces it
+whole, and refuses a directory holding files other than DCP's.
+
+Loading unpickles DCP's ``.metadata`` file with ``pickle`` (DCP has no safe mode for it; the
+tensor data itself loads with ``weights_only=True``): load only checkpoints you trust.
+
 Example::
 
     from muonkit.distributed.checkpoint import load_checkpoint, save_checkpoint
@@ -25,18 +35,30 @@ import os
 from typing import Any, cast
 
 import torch
+import torch.distributed as dist
 from torch import nn
+
+from muonkit.atomic import TMP_SUFFIX, check_replaceable, prepare_dir, publish_dir, readable_dir
 
 __all__ = ["load_checkpoint", "save_checkpoint"]
 
 
 def save_checkpoint(path: str | os.PathLike[str], *, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Write model and optimizer state to the directory ``path`` (collective)."""
+    """Write model and optimizer state to the directory ``path`` (collective), replacing it atomically."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
+    final = os.path.abspath(os.fspath(path))
     model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=os.fspath(path))
+    check_replaceable(final, owned=_dcp_file, what="save_checkpoint")  # every rank: all raise alike
+    _barrier()  # nobody still reads `final` when rank 0 restores or cleans beside it
+    tmp = prepare_dir(final) if _rank() == 0 else final + TMP_SUFFIX
+    _barrier()
+    dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=tmp)
+    # dcp.save returns once the coordinator (rank 0) wrote .metadata after every rank's data.
+    if _rank() == 0:
+        publish_dir(tmp, final)
+    _barrier()
 
 
 def load_checkpoint(path: str | os.PathLike[str], *, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -54,6 +76,7 @@ def load_checkpoint(path: str | os.PathLike[str], *, model: nn.Module, optimizer
         set_optimizer_state_dict,
     )
 
+    path = readable_dir(os.path.abspath(os.fspath(path)))
     model_state, optim_tree = get_state_dict(model, optimizer)
     optim_state = cast(dict[str, Any], optim_tree)
     # States the saving run did not have yet (a param that never had a gradient) must stay
@@ -70,3 +93,17 @@ def load_checkpoint(path: str | os.PathLike[str], *, model: nn.Module, optimizer
     dcp.load(state, checkpoint_id=os.fspath(path))
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, optimizer, state["optimizer"], options=StateDictOptions(strict=complete))
+
+
+def _dcp_file(name: str) -> bool:
+    """Files DCP's FileSystemWriter writes (a directory holding others is not replaced)."""
+    return name.endswith((".distcp", ".metadata", ".metadata.tmp"))
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()

@@ -16,6 +16,15 @@ parameter order depends on the world size). Example::
 
     muonkit convert-deepspeed ckpt --world-size 1 --output ckpt_w1
     engine.load_checkpoint("ckpt_w1")   # in a 1-rank run
+
+Safety: the tag (``--tag`` or the checkpoint's ``latest`` file) must name a directory inside the
+checkpoint directory, and nothing is written outside ``--output`` (which must not overlap the
+checkpoint). The files are read with ``torch.load(weights_only=True)``, allowing besides tensors
+and plain containers only the DeepSpeed classes its checkpoints hold (:data:`SAFE_CLASSES`); a
+file holding anything else is refused, not unpickled. (DeepSpeed's own
+``engine.load_checkpoint`` reads with ``weights_only=False``: load only checkpoints you trust.)
+``output/TAG`` is written aside and renamed into place, so a crash never leaves a half-written
+conversion over a previous one.
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ import argparse
 import glob
 import math
 import os
+import pickle
 import re
 import sys
 from collections.abc import Sequence
@@ -32,9 +42,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from muonkit.atomic import check_replaceable, prepare_dir, publish_dir, replace_file
 from muonkit.integrations.deepspeed_checkpoint import latest_tag
 
-__all__ = ["convert", "main"]
+__all__ = ["SAFE_CLASSES", "convert", "main"]
 
 _OPTIM = re.compile(r"^(?P<prefix>.*)zero_pp_rank_(?P<rank>\d+)_mp_rank_00_optim_states\.pt$")
 
@@ -46,14 +57,23 @@ def convert(
     src, output = os.fspath(src), os.fspath(output)
     if world_size < 1:
         raise ValueError(f"Invalid world_size={world_size}: must be >= 1")
-    tag = tag or latest_tag(src)
     if tag is None:
-        raise ValueError(f"No tag given and no 'latest' file in {src}")
+        tag = latest_tag(src)
+        if tag is None:
+            raise ValueError(f"No tag given and no 'latest' file in {src}")
+        _check_tag(src, tag, f"the tag in {os.path.join(src, 'latest')}")
+    else:
+        _check_tag(src, tag, "--tag")
+    out_dir = os.path.join(output, tag)
+    if _overlap(out_dir, src):
+        raise ValueError(
+            f"Invalid output {output!r}: {out_dir} overlaps the checkpoint directory {src}; write to a directory outside it"
+        )
     files, prefix = _optim_files(os.path.join(src, tag))
-    states = [torch.load(f, map_location="cpu", weights_only=False) for f in files]
+    states = [_load(f) for f in files]
     osd = [s["optimizer_state_dict"] for s in states]
     model_files = sorted(glob.glob(os.path.join(src, tag, "*model_states.pt")))
-    model0 = torch.load(model_files[0], map_location="cpu", weights_only=False)
+    model0 = _load(model_files[0])
     ds_config = model0.get("ds_config") or {}
     if (ds_config.get("zero_optimization") or {}).get("round_robin_gradients"):
         raise ValueError("round_robin_gradients orders parameters by world size: its checkpoints cannot be converted")
@@ -62,17 +82,69 @@ def convert(
         new = _zero3(osd, shapes, world_size)
     else:
         new = _contiguous(osd, shapes, model0, world_size, bf16_optimizer="zero_stage" not in osd[0])
-    out_dir = os.path.join(output, tag)
-    os.makedirs(out_dir, exist_ok=True)
+    os.makedirs(output, exist_ok=True)
+    check_replaceable(out_dir, owned=lambda name: name.endswith(".pt"), what="convert-deepspeed")
+    tmp = prepare_dir(out_dir)
+    os.makedirs(tmp)
     for rank, sd in enumerate(new):
         torch.save(
             {**states[0], "optimizer_state_dict": sd},
-            os.path.join(out_dir, f"{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"),
+            os.path.join(tmp, f"{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"),
         )
-    _write_model_states(model_files, out_dir, world_size)
-    with open(os.path.join(output, "latest"), "w") as f:
-        f.write(tag)
+    _write_model_states(model0, model_files, tmp, world_size)
+    publish_dir(tmp, out_dir)
+    replace_file(os.path.join(output, "latest"), lambda f: f.write(tag.encode()))
     return tag
+
+
+def _check_tag(src: str, tag: str, origin: str) -> None:
+    """A tag names one directory inside the checkpoint directory: never a path out of it."""
+    parts = tag.replace("\\", "/").split("/")
+    if os.path.isabs(tag) or len(parts) != 1 or tag in ("", ".", ".."):
+        raise ValueError(
+            f"Invalid tag {tag!r} ({origin}): must be the name of a directory inside {src}, without '/', '..' "
+            "or an absolute path"
+        )
+    if os.path.dirname(os.path.realpath(os.path.join(src, tag))) != os.path.realpath(src):
+        raise ValueError(
+            f"Invalid tag {tag!r} ({origin}): {os.path.join(src, tag)} resolves to "
+            f"{os.path.realpath(os.path.join(src, tag))}, outside {src}"
+        )
+
+
+def _overlap(a: str, b: str) -> bool:
+    """Whether two paths (after resolving links) are the same or one lies inside the other."""
+    a, b = os.path.realpath(a), os.path.realpath(b)
+    return a == b or a.startswith(b.rstrip(os.sep) + os.sep) or b.startswith(a.rstrip(os.sep) + os.sep)
+
+
+SAFE_CLASSES = (
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+    "deepspeed.runtime.zero.config.ZeroStageEnum",
+    "deepspeed.utils.tensor_fragment.fragment_address",
+)
+
+
+def _load(path: str) -> Any:
+    """``torch.load(weights_only=True)`` allowing :data:`SAFE_CLASSES`, whose unpickling only sets
+    numbers (loss scale, ZeRO stage, fragment offsets); anything else is refused unexecuted."""
+    import importlib
+
+    allowed = [getattr(importlib.import_module(m), n) for m, _, n in (c.rpartition(".") for c in SAFE_CLASSES)]
+    try:
+        with torch.serialization.safe_globals(allowed):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        try:
+            found = [g for g in torch.serialization.get_unsafe_globals_in_checkpoint(path) if g not in SAFE_CLASSES]
+        except Exception:
+            found = []
+        raise ValueError(
+            f"{path} holds objects convert-deepspeed does not unpickle{f' ({found})' if found else ''}: it loads "
+            f"with torch.load(weights_only=True), allowing tensors, plain containers and {list(SAFE_CLASSES)} "
+            f"({str(e).splitlines()[-1] if str(e) else type(e).__name__})"
+        ) from None
 
 
 def _optim_files(folder: str) -> tuple[list[str], str]:
@@ -88,10 +160,9 @@ def _optim_files(folder: str) -> tuple[list[str], str]:
     return [found[r] for r in range(len(found))], prefixes.pop()
 
 
-def _write_model_states(model_files: list[str], out_dir: str, world_size: int) -> None:
+def _write_model_states(model: dict[str, Any], model_files: list[str], out_dir: str, world_size: int) -> None:
     zero3 = any(os.path.basename(f).startswith("zero_pp_rank_") for f in model_files)
-    model = torch.load(model_files[0], map_location="cpu", weights_only=False)
-    model["dp_world_size"] = world_size
+    model = {**model, "dp_world_size": world_size}
     if not zero3:
         torch.save(model, os.path.join(out_dir, os.path.basename(model_files[0])))
         return
@@ -208,9 +279,10 @@ def _repartition_params(parts: list[Tensor], numels: list[int], old: int, world:
 
 
 def run(args: argparse.Namespace) -> int:
-    if os.path.abspath(args.output) == os.path.abspath(args.checkpoint):
-        raise SystemExit("--output must differ from the checkpoint directory")
-    tag = convert(args.checkpoint, world_size=args.world_size, output=args.output, tag=args.tag)
+    try:
+        tag = convert(args.checkpoint, world_size=args.world_size, output=args.output, tag=args.tag)
+    except ValueError as e:
+        raise SystemExit(f"muonkit convert-deepspeed: {e}") from None
     print(f"wrote {os.path.join(args.output, tag)} for {args.world_size} data-parallel ranks")
     return 0
 

@@ -1,0 +1,195 @@
+"""``muonkit convert-deepspeed`` on a small synthetic ZeRO-3 checkpoint (no DeepSpeed run): it
+never writes outside ``--output``, refuses tags that leave the checkpoint directory, never
+unpickles code, and never leaves a half-written conversion over a previous one.
+
+(tests/deepspeed/ds_checks_load converts real 2-rank checkpoints of every stage.)
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("deepspeed", reason="the DeepSpeed extra is not installed (pip install 'muonkit[deepspeed]')")
+
+from deepspeed.runtime.fp16.loss_scaler import LossScaler
+from deepspeed.runtime.zero.config import ZeroStageEnum
+
+from muonkit.cli import main
+from muonkit.integrations.deepspeed_convert import convert
+
+SHAPES = OrderedDict([("w", torch.Size([3, 4])), ("b", torch.Size([3]))])  # one sub-group, 12 + 3 elements
+
+
+def _write_zero3(tag_dir: Path, world: int = 2) -> dict[str, torch.Tensor]:
+    """A ZeRO-3 tag directory as DeepSpeed writes it for ``world`` ranks; returns the whole tensors."""
+    tag_dir.mkdir(parents=True)
+    whole = {"fp32": torch.arange(15.0), "momentum_buffer": -torch.arange(15.0)}
+    sizes = [-(-12 // world), -(-3 // world)]
+    for rank in range(world):
+        flat = {}
+        for key, t in whole.items():
+            w, b = t[:12], t[12:]
+            parts = [
+                torch.cat([x, x.new_zeros(s * world - x.numel())])[rank * s : (rank + 1) * s]
+                for x, s in zip((w, b), sizes, strict=True)
+            ]
+            flat[key] = torch.cat(parts)
+        optim = {
+            "zero_stage": ZeroStageEnum.weights, "loss_scaler": LossScaler(1.0), "dynamic_loss_scale": False,
+            "overflow": False, "partition_count": world, "fp32_flat_groups": [flat["fp32"]],
+            "optimizer_state_dict": {
+                "state": {0: {"momentum_buffer": flat["momentum_buffer"]}},
+                "param_groups": [{"algorithm": "muon", "lr": 0.02, "params": [0]}],
+            },
+        }  # fmt: skip
+        torch.save(
+            {"optimizer_state_dict": optim, "ds_version": "0.19.8"},
+            tag_dir / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt",
+        )
+        model = {
+            "module": OrderedDict(),
+            "param_shapes": [SHAPES],
+            "ds_config": {"zero_optimization": {"stage": 3}},
+            "dp_world_size": world,
+        }
+        torch.save(model, tag_dir / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt")
+    return whole
+
+
+def _checkpoint(root: Path) -> Path:
+    ckpt = root / "ckpt"
+    _write_zero3(ckpt / "step2")
+    (ckpt / "latest").write_text("step2")
+    return ckpt
+
+
+def _snapshot(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_converts_to_one_rank(tmp_path: Path) -> None:
+    whole = _write_zero3(tmp_path / "ckpt" / "step2")
+    assert (
+        main(
+            [
+                "convert-deepspeed",
+                str(tmp_path / "ckpt"),
+                "--world-size",
+                "1",
+                "--tag",
+                "step2",
+                "--output",
+                str(tmp_path / "out"),
+            ]
+        )
+        == 0
+    )
+    osd = torch.load(tmp_path / "out/step2/zero_pp_rank_0_mp_rank_00_optim_states.pt", weights_only=False)[
+        "optimizer_state_dict"
+    ]
+    assert torch.equal(osd["fp32_flat_groups"][0], whole["fp32"])
+    assert torch.equal(osd["optimizer_state_dict"]["state"][0]["momentum_buffer"], whole["momentum_buffer"])
+    assert (tmp_path / "out/latest").read_text() == "step2"
+    assert sorted(os.listdir(tmp_path / "out")) == ["latest", "step2"]  # nothing left aside
+
+
+def _victim(root: Path) -> Path:
+    """A valid tag directory outside the checkpoint, which the conversion must not touch."""
+    _write_zero3(root / "victim")
+    return root / "victim"
+
+
+@pytest.mark.parametrize("how", ["--tag ../victim", "absolute path in latest", "--tag /abs", "symlinked tag"])
+def test_tags_that_leave_the_checkpoint_are_refused(
+    tmp_path: Path, how: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ckpt, victim = _checkpoint(tmp_path), _victim(tmp_path)
+    before = _snapshot(tmp_path)
+    args = ["convert-deepspeed", str(ckpt), "--world-size", "1", "--output", str(tmp_path / "out")]
+    if how == "--tag ../victim":
+        args += ["--tag", "../victim"]
+    elif how == "--tag /abs":
+        args += ["--tag", str(victim)]
+    elif how == "absolute path in latest":
+        (ckpt / "latest").write_text(str(victim))
+        before = _snapshot(tmp_path)
+    else:
+        (ckpt / "linked").symlink_to(victim)
+        args += ["--tag", "linked"]
+        before = _snapshot(tmp_path)
+    with pytest.raises(SystemExit, match=r"muonkit convert-deepspeed: Invalid tag "):
+        main(args)
+    assert _snapshot(tmp_path) == before  # nothing written anywhere (no output either)
+
+
+@pytest.mark.parametrize("output", ["ckpt", "ckpt/converted", "."])
+def test_an_output_overlapping_the_checkpoint_is_refused(tmp_path: Path, output: str) -> None:
+    ckpt = _checkpoint(tmp_path)
+    before = _snapshot(tmp_path)
+    with pytest.raises(ValueError, match=r"^Invalid output .* overlaps the checkpoint directory"):
+        convert(ckpt, world_size=1, output=tmp_path / output if output != "." else ckpt / "step2" / "..")
+    assert _snapshot(tmp_path) == before
+
+
+class _Payload:
+    """Unpickling this creates a directory: code run from a checkpoint."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.mkdir, (str(self.marker),))
+
+
+@pytest.mark.parametrize(
+    "file", ["zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"]
+)
+def test_a_checkpoint_that_runs_code_is_refused_unexecuted(tmp_path: Path, file: str) -> None:
+    ckpt = _checkpoint(tmp_path)
+    marker = tmp_path / "pwned"
+    path = ckpt / "step2" / file
+    saved = torch.load(path, weights_only=False)
+    saved["client_state"] = _Payload(marker)
+    torch.save(saved, path)
+    with pytest.raises(ValueError, match=r"holds objects convert-deepspeed does not unpickle \(\['posix.mkdir'\]\)"):
+        convert(ckpt, world_size=1, output=tmp_path / "out")
+    assert not marker.exists()
+    assert not (tmp_path / "out" / "step2").exists()
+
+
+def test_a_failed_conversion_leaves_the_previous_output_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ckpt, out = _checkpoint(tmp_path), tmp_path / "out"
+    convert(ckpt, world_size=1, output=out)
+    before = _snapshot(out)
+    real_save = torch.save
+    calls: list[Any] = []
+
+    def dies_on_the_second_file(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
+        calls.append(f)
+        if len(calls) == 2:
+            raise KeyboardInterrupt("killed")
+        real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", dies_on_the_second_file)
+    with pytest.raises(KeyboardInterrupt):
+        convert(ckpt, world_size=2, output=out)
+    monkeypatch.setattr(torch, "save", real_save)
+    assert {k: v for k, v in _snapshot(out).items() if not k.startswith("step2.muonkit-tmp")} == before
+    convert(ckpt, world_size=2, output=out)  # the next run cleans up and replaces it
+    assert sorted(os.listdir(out)) == ["latest", "step2"]
+    assert len(os.listdir(out / "step2")) == 4
+
+
+def test_help_says_what_is_unpickled(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["convert-deepspeed", "--help"])
+    assert info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "torch.load(weights_only=True)" in text and "never unpickled" in text
+    assert "engine.load_checkpoint unpickles with weights_only=False" in text
