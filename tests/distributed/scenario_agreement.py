@@ -156,7 +156,7 @@ def every_flag_reduction_is_placed_by_flag_device(ctx: Context) -> None:
         placed.append(original(group))
         return placed[-1]
 
-    collectives.flag_device = flag_device  # type: ignore[assignment]
+    collectives.flag_device = flag_device
     try:
         for layout in LAYOUTS:
             params, opt = _build(layout, ctx)
@@ -168,7 +168,7 @@ def every_flag_reduction_is_placed_by_flag_device(ctx: Context) -> None:
                 assert len(calls) == len(placed) == 2, f"{layout}: {len(calls)} all_reduces, {len(placed)} placed"
                 assert [t.device for t in calls] == placed, f"{layout}: {[t.device for t in calls]} vs {placed}"
     finally:
-        collectives.flag_device = original  # type: ignore[assignment]
+        collectives.flag_device = original
 
 
 ZERO_SIZE_ZOO = [

@@ -18,7 +18,10 @@ Only orthogonalization needs whole matrices. For each flat partition, in one ste
 
 Per rank and step that moves, for the split parameters only, each non-owned piece once to its
 owner and once back (fp32); parameters inside one partition cost nothing. The directions equal
-those of :class:`SingleDeviceStrategy` on the whole parameters.
+those of :class:`SingleDeviceStrategy` on the whole parameters. Zero-size parameters have no
+pieces, no owner and nothing to compute. As under DDP and FSDP2, each ``step()`` also sends one
+tiny all-reduce that checks all ranks hold the same settings (:mod:`muonkit.distributed.agreement`;
+DeepSpeed ZeRO-3 calls ``step()`` once per sub-group).
 
 Example (what :func:`muonkit.integrations.deepspeed.initialize` does)::
 
