@@ -17,7 +17,18 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from common import ZOO, ParamSpec, build, differences, differences_to, full, set_grads, snapshot
+from common import (
+    ZOO,
+    ParamSpec,
+    build,
+    build_module,
+    differences,
+    differences_to,
+    full,
+    group_dicts,
+    set_grads,
+    snapshot,
+)
 from harness import Context, check
 from torch import nn
 
@@ -213,3 +224,37 @@ def zero_size_params_step_as_a_no_op(ctx: Context) -> None:
         fresh.step()
         problems = differences_to(snapshot(fresh_params, fresh), snapshot(params, opt))
         assert not problems, f"{layout} after load_state_dict: " + "\n".join(problems)
+
+
+@check(2, 4)
+def fully_shard_zero_size_params_step_and_init_their_state(ctx: Context) -> None:
+    """FSDP2 shards a zero-size param as (0, 0) (or (0, ...)) on every rank, not by torch.chunk.
+    Its own backward cannot reduce-scatter one yet (torch 2.13: "_chunk_cat expects non-empty
+    tensor"), but gradients in its layout (``zeros_like``) must step, as DCP's ``get_state_dict``
+    does on a fresh optimizer (one zero-gradient, zero-lr step on every param)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    for initialize in (True, False):
+        _, module = build_module("fsdp", ZERO_SIZE_ZOO)
+        params = list(module.parameters())
+        opt = muonkit.HybridMuon(group_dicts(params, ZERO_SIZE_ZOO))
+        if initialize:
+            get_state_dict(module, opt)
+            assert len(opt.state) == len(params), f"{len(opt.state)} states for {len(params)} params"
+            continue
+        ref_params, ref_opt = build("single", ZERO_SIZE_ZOO)
+        for step in range(2):
+            set_grads(params, ZERO_SIZE_ZOO, step)
+            set_grads(ref_params, ZERO_SIZE_ZOO, step)
+            for p in params:
+                if p.numel() == 0:
+                    p.grad = torch.zeros_like(p)  # FSDP2's layout of it
+            opt.step()
+            ref_opt.step()
+        # full_tensor() cannot gather FSDP2's (0, 0) shards (torch 2.13): the empty ones by shape
+        kept = [i for i, p in enumerate(params) if p.numel()]
+        problems = differences([params[i] for i in kept], opt, [ref_params[i] for i in kept], ref_opt)
+        assert not problems, "\n".join(problems)
+        for p, spec in zip(params, ZERO_SIZE_ZOO, strict=True):
+            shapes = {k: tuple(v.shape) for k, v in opt.state[p].items() if k != "step"}
+            assert shapes and set(shapes.values()) == {spec.shape}, (spec.shape, shapes)

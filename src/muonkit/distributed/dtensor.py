@@ -201,12 +201,13 @@ class DTensorStrategy(Strategy):
             )
         shape = tuple(param.shape)
         sizes = dim0_sizes(shape[0], self.comm.world_size)
+        if math.prod(shape) == 0:  # empty directions, nothing to send (FSDP2 shards it as (0, 0) everywhere)
+            return _Plan(shape, sizes, 0, local=True)
         if update.size(0) != sizes[self.comm.rank]:
             raise RuntimeError(f"Local shard of a {shape} param has {update.size(0)} rows; expected {sizes}")
         cost = config.tensor_flops(shape)
         experts = config.layout.resolved(len(shape)) == "experts"
-        empty = math.prod(shape) == 0  # a zero-size param: empty directions, nothing to send
-        return _Plan(shape, sizes, cost, local=experts or empty or sum(n > 0 for n in sizes) <= 1)
+        return _Plan(shape, sizes, cost, local=experts or sum(n > 0 for n in sizes) <= 1)
 
     def _gather(
         self, ids: list[int], plans: list[_Plan], updates: list[Tensor], owner: dict[int, int]
