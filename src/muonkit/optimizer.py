@@ -7,6 +7,7 @@ The optimizer validates, keeps state and orchestrates; the math lives in
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -18,6 +19,7 @@ from torch.optim import Optimizer
 
 from muonkit.config import AdamWConfig, MuonConfig, group_config
 from muonkit.distributed import Strategy, select_strategy
+from muonkit.distributed.agreement import settings_of
 from muonkit.foreign_state import muonkit_group
 from muonkit.functional.adamw import adamw_
 from muonkit.functional.momentum import muon_momentum_
@@ -170,7 +172,10 @@ class HybridMuon(Optimizer):
             if isinstance(config, MuonConfig):
                 _check_ns_dtype(config, group["params"], i)
         work = [self._params_with_grad(g) for g in self.param_groups]
-        self.strategy.check_participation([p.grad is not None for g in self.param_groups for p in g["params"]])
+        self.strategy.check_participation(
+            [p.grad is not None for g in self.param_groups for p in g["params"]],
+            functools.partial(settings_of, configs, self.param_groups, nonfinite=self.nonfinite),
+        )
         if not self._grads_ok([p for ps in work for p in ps]):
             return loss
         for config, params in zip(configs, work, strict=True):

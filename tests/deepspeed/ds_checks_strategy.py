@@ -173,3 +173,28 @@ def all_finite_agrees_and_unknown_tensor_raises(ctx: Context) -> None:
         assert "not a ZeRO flat partition" in str(e)
     else:
         raise AssertionError("an unbound tensor must raise")
+
+
+@check
+def zero_size_params_are_skipped(ctx: Context) -> None:
+    shapes = [(5, 7), (0, 8), (3, 4), (8, 0), (6, 9), (2, 0, 3)]
+    numels = [math.prod(s) for s in shapes]
+    layouts = [
+        contiguous_layout(
+            names=_names(len(shapes)),
+            shapes=shapes,
+            offsets=[sum(numels[:i]) for i in range(len(shapes))],
+            partition_size=math.ceil(sum(numels) / ctx.world_size),
+            world_size=ctx.world_size,
+        ),
+        per_param_layout(names=_names(len(shapes)), shapes=shapes, world_size=ctx.world_size),
+    ]
+    for layout in layouts:
+        wholes, directions, strategy = _run(layout, _config(), ctx)
+        expected = muon_directions(wholes, [_config().layout] * len(wholes), _config().ns_options)
+        for param, got, want in zip(layout.params, directions, expected, strict=True):
+            assert got.shape == want.shape == param.shape, (param.name, got.shape, want.shape)
+            assert got.numel() == 0 or (got - want).abs().max().item() <= TOL, param.name
+        total = torch.tensor([strategy.stats.matrices])
+        dist.all_reduce(total)
+        assert total.item() == 3, f"{total.item()} matrices orthogonalized, expected the 3 non-empty ones"

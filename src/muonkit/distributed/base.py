@@ -10,13 +10,14 @@ collectives.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from muonkit.config import MuonConfig
+from muonkit.distributed.agreement import Setting
 from muonkit.shapes import full_shape
 
 
@@ -66,13 +67,17 @@ class Strategy(ABC):
         """
         return [full_shape(param)]
 
-    def check_participation(self, has_grad: Sequence[bool]) -> None:
-        """Check that all ranks step the same params (``has_grad``: every param, in group order).
+    def check_participation(self, has_grad: Sequence[bool], settings: Callable[[], Sequence[Setting]] = list) -> None:
+        """Check that all ranks step the same params with the same settings.
 
-        Strategies with collectives raise on every rank when ranks disagree, which would
-        otherwise hang a collective or mix different tensors in it. One device: nothing to do.
+        ``has_grad``: whether each param has a gradient, every param in group order;
+        ``settings``: what else ranks must share (see :func:`muonkit.distributed.agreement.settings_of`),
+        called only by strategies that communicate. Those raise on every rank when ranks disagree,
+        which would otherwise hang a collective, mix different tensors in it or let the replicas
+        drift apart; they check it in the one small all-reduce per step they need anyway. One
+        device: nothing to do.
         """
-        del has_grad
+        del has_grad, settings
 
     def muon_chunks(self, params: list[Tensor], config: MuonConfig) -> list[list[int]]:
         """Indices of the params to step together, chunk after chunk.

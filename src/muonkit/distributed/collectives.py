@@ -23,9 +23,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from muonkit.distributed import agreement
 from muonkit.distributed.base import StrategyStats
 
-__all__ = ["Collectives", "Pending", "group_of"]
+__all__ = ["Collectives", "Pending", "flag_device", "group_of"]
 
 
 class Pending:
@@ -54,6 +55,25 @@ def group_of(process_group: Any) -> Any:
     return process_group
 
 
+def flag_device(group: Any) -> torch.device:
+    """The device for the small tensors muonkit builds on the host and reduces over ``group``.
+
+    Flags and fingerprints start on the CPU. They stay there when the group's backend reduces CPU
+    tensors (gloo, MPI, UCC, or a mixed ``"cpu:gloo,cuda:nccl"`` group); otherwise they go to the
+    current device of the accelerator the backend needs: NCCL reduces CUDA tensors only, on
+    ``torch.cuda.current_device()`` (the device torchrun and DeepSpeed scripts select with
+    ``set_device``). Data tensors need no such choice: they live where the params do.
+
+    Example: ``flag_device(group)`` is ``cpu`` for a gloo group and ``cuda:3`` for an NCCL group on
+    the rank that set ``torch.cuda.set_device(3)``.
+    """
+    config = str(dist.get_backend_config(group))  # "cpu:gloo,cuda:nccl", "cuda:nccl", "cpu:gloo,cuda:gloo"...
+    devices = [entry.split(":", 1)[0].strip() for entry in config.split(",") if ":" in entry]
+    if not devices or "cpu" in devices:
+        return torch.device("cpu")
+    return torch.device(devices[0], torch.get_device_module(devices[0]).current_device())
+
+
 class Collectives:
     """Counted collectives on one process group."""
 
@@ -64,10 +84,6 @@ class Collectives:
         self.stats = stats
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
-        # Where the small bookkeeping tensors (flags) must live for this backend: NCCL only
-        # reduces GPU tensors.
-        nccl = "nccl" in str(dist.get_backend(group)) and torch.cuda.is_available()
-        self.flag_device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
     def _count(self, nbytes: float) -> None:
         self.stats.collectives += 1
@@ -109,20 +125,13 @@ class Collectives:
 
     def all_ranks_true(self, flag: Tensor) -> bool:
         """Whether a boolean is true on every rank (one tiny all_reduce MIN)."""
-        t = flag.detach().to(device=self.flag_device, dtype=torch.int32).reshape(1).clone()
+        t = flag.detach().to(device=flag_device(self.group), dtype=torch.int32).reshape(1).clone()
         self.all_reduce(t, op=dist.ReduceOp.MIN)
         return bool(t.item())
 
-    def check_same(self, flags: Sequence[bool], *, what: str) -> None:
-        """Raise on every rank (never hang) unless all ranks hold the same boolean vector."""
-        if not flags:
-            return
-        mine = torch.tensor(list(flags), dtype=torch.int32, device=self.flag_device)
-        both = torch.cat([mine, 1 - mine])
-        self.all_reduce(both, op=dist.ReduceOp.MAX)
-        differ = (both[: len(flags)] * both[len(flags) :]).nonzero().flatten().tolist()
-        if differ:
-            raise RuntimeError(
-                f"Ranks disagree on {what} at positions {differ[:10]}{'...' if len(differ) > 10 else ''}: "
-                "every rank must step the same params (a param's .grad must be None on all ranks or on none)"
-            )
+    def check_agreement(self, settings: Sequence[agreement.Setting], has_grad: Sequence[bool]) -> None:
+        """Raise on every rank (never hang) unless all ranks hold the same settings and gradient
+        flags (one tiny all_reduce MAX; see :mod:`muonkit.distributed.agreement`)."""
+        words = agreement.encode(settings, has_grad).to(flag_device(self.group))
+        self.all_reduce(words, op=dist.ReduceOp.MAX)
+        agreement.check_agreement(words.cpu(), settings, has_grad)

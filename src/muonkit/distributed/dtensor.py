@@ -35,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -44,6 +44,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from muonkit.config import MuonConfig
+from muonkit.distributed.agreement import Setting
 from muonkit.distributed.base import Strategy
 from muonkit.distributed.collectives import Collectives, Pending
 from muonkit.distributed.ownership import assign_owners
@@ -109,7 +110,9 @@ class _Plan:
 
     def rank_loads(self) -> list[float]:
         """Work this tensor puts on each rank if it is local (experts split like their rows)."""
-        return [self.cost * n / self.shape[0] for n in self.sizes] if self.local else [0.0] * len(self.sizes)
+        if not self.local or not self.cost:
+            return [0.0] * len(self.sizes)
+        return [self.cost * n / self.shape[0] for n in self.sizes]
 
 
 class DTensorStrategy(Strategy):
@@ -125,7 +128,6 @@ class DTensorStrategy(Strategy):
                 f"{mesh!r} (HSDP and tensor parallelism are not supported yet)"
             )
         self.mesh = mesh
-        self._device = torch.device(mesh.device_type)
         self.comm = Collectives(mesh.get_group(), self.stats)
 
     def local(self, t: Tensor) -> Tensor:
@@ -137,8 +139,8 @@ class DTensorStrategy(Strategy):
     def all_finite(self, local_ok: Tensor) -> bool:
         return self.comm.all_ranks_true(local_ok)
 
-    def check_participation(self, has_grad: Sequence[bool]) -> None:
-        self.comm.check_same(has_grad, what="which params have gradients")
+    def check_participation(self, has_grad: Sequence[bool], settings: Callable[[], Sequence[Setting]] = list) -> None:
+        self.comm.check_agreement([*settings(), Setting("strategy", self.name)], has_grad)
 
     def muon_directions(self, params: list[Tensor], updates: list[Tensor], config: MuonConfig) -> list[Tensor]:
         plans = [self._plan(p, u, config) for p, u in zip(params, updates, strict=True)]
@@ -165,12 +167,14 @@ class DTensorStrategy(Strategy):
             whole = self._assemble(ids, plans, owner, gathers[k])
             gathers[k] = None  # free the received pieces now, not at the end of the step
             found = muon_directions(whole, [config.layout] * len(whole), options, on_batch=hook) if whole else []
-            returns.append(self._send_back(ids, plans, owner, found, wire_dtype(config, updates[ids[0]])))
+            returns.append(self._send_back(ids, plans, owner, found, like=updates[ids[0]], config=config))
         for ids, (work, pieces) in zip(members, returns, strict=True):
             work.wait()
             for i, piece in zip(ids, pieces, strict=True):
                 out[i].copy_(piece.view(out[i].shape))
         for i, plan in enumerate(plans):
+            if not out[i].numel():  # nothing held here (or a zero-size param): nothing to scale
+                continue
             start = plan.start(self.comm.rank)
             stop = start + out[i].size(0)
             scale = block_scale(
@@ -197,6 +201,8 @@ class DTensorStrategy(Strategy):
             )
         shape = tuple(param.shape)
         sizes = dim0_sizes(shape[0], self.comm.world_size)
+        if math.prod(shape) == 0:  # empty directions, nothing to send (FSDP2 shards it as (0, 0) everywhere)
+            return _Plan(shape, sizes, 0, local=True)
         if update.size(0) != sizes[self.comm.rank]:
             raise RuntimeError(f"Local shard of a {shape} param has {update.size(0)} rows; expected {sizes}")
         cost = config.tensor_flops(shape)
@@ -234,13 +240,21 @@ class DTensorStrategy(Strategy):
         return [torch.cat([src[k] for src in by_source]) for k in range(mine)]
 
     def _send_back(
-        self, ids: list[int], plans: list[_Plan], owner: dict[int, int], found: list[Tensor], wire: torch.dtype
+        self,
+        ids: list[int],
+        plans: list[_Plan],
+        owner: dict[int, int],
+        found: list[Tensor],
+        *,
+        like: Tensor,
+        config: MuonConfig,
     ) -> tuple[Pending, list[Tensor]]:
-        """Start sending each rank its rows of the directions this rank computed."""
+        """Start sending each rank its rows of the directions this rank computed (``like``: a local update of the shape)."""
         world, rank, plan = self.comm.world_size, self.comm.rank, plans[ids[0]]
+        wire = wire_dtype(config, like)
         starts = [plan.start(j) for j in range(world)]
         send = [d[starts[j] : starts[j] + plan.sizes[j]].to(wire).reshape(-1) for j in range(world) for d in found]
-        send_buf = torch.cat(send) if send else torch.empty(0, dtype=wire, device=self._device)
+        send_buf = torch.cat(send) if send else like.new_empty(0, dtype=wire)  # on the data's device
         counts = [sum(owner[i] == j for i in ids) for j in range(world)]
         received = send_buf.new_empty(len(ids) * plan.sizes[rank] * plan.inner)
         work = self.comm.all_to_all_single(

@@ -37,13 +37,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from muonkit.config import MuonConfig
+from muonkit.distributed.agreement import Setting
 from muonkit.distributed.base import Strategy
 from muonkit.distributed.collectives import Collectives, Pending, group_of
 from muonkit.distributed.ownership import assign_owners
@@ -93,13 +94,19 @@ class ReplicatedStrategy(Strategy):
     def all_finite(self, local_ok: Tensor) -> bool:
         return self.comm.all_ranks_true(local_ok)
 
-    def check_participation(self, has_grad: Sequence[bool]) -> None:
-        self.comm.check_same(has_grad, what="which params have gradients")
+    def check_participation(self, has_grad: Sequence[bool], settings: Callable[[], Sequence[Setting]] = list) -> None:
+        self.comm.check_agreement([*settings(), Setting("strategy", self.name)], has_grad)
 
     def muon_directions(self, params: list[Tensor], updates: list[Tensor], config: MuonConfig) -> list[Tensor]:
         del params  # whole and local: the updates say everything
         mats = [config.layout.to_matrices(u) for u in updates]
-        jobs = [_Job(t, b, i) for t, blocks in enumerate(mats) for b, m in enumerate(blocks) for i in range(m.size(0))]
+        jobs = [  # empty matrices (a zero-size param) have empty directions: no job
+            _Job(t, b, i)
+            for t, blocks in enumerate(mats)
+            for b, m in enumerate(blocks)
+            if m.numel()
+            for i in range(m.size(0))
+        ]
         keys = [(*mats[j.tensor][j.block].shape[1:], mats[j.tensor][j.block].dtype) for j in jobs]
         costs = [config.flops(rows, cols) for rows, cols, _ in keys]
         by_key: dict[Any, list[int]] = {}
@@ -120,7 +127,8 @@ class ReplicatedStrategy(Strategy):
                     results[jobs[k].tensor][jobs[k].block][jobs[k].index].copy_(matrix)
         for blocks in results:
             for block in blocks:  # after the transfer, in the update dtype, as on one device
-                block.mul_(lr_scale(config.adjust_lr, block.size(1), block.size(2)))
+                if block.numel():
+                    block.mul_(lr_scale(config.adjust_lr, block.size(1), block.size(2)))
         if in_place:
             return updates
         return [config.layout.from_matrices(r, u.shape) for r, u in zip(results, updates, strict=True)]

@@ -34,9 +34,10 @@ class SingleDeviceStrategy(Strategy):
             by_shapes.setdefault(shapes, []).append(i)
         chunks: list[list[int]] = []
         for members in by_shapes.values():
-            size = self.max_chunk_elements  # forces a new chunk for the first member
+            chunks.append([])
+            size = 0
             for i in members:
-                if size + params[i].numel() > self.max_chunk_elements:
+                if chunks[-1] and size + params[i].numel() > self.max_chunk_elements:
                     chunks.append([])
                     size = 0
                 chunks[-1].append(i)

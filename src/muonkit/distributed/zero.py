@@ -18,7 +18,10 @@ Only orthogonalization needs whole matrices. For each flat partition, in one ste
 
 Per rank and step that moves, for the split parameters only, each non-owned piece once to its
 owner and once back (fp32); parameters inside one partition cost nothing. The directions equal
-those of :class:`SingleDeviceStrategy` on the whole parameters.
+those of :class:`SingleDeviceStrategy` on the whole parameters. Zero-size parameters have no
+pieces, no owner and nothing to compute. As under DDP and FSDP2, each ``step()`` also sends one
+tiny all-reduce that checks all ranks hold the same settings (:mod:`muonkit.distributed.agreement`;
+DeepSpeed ZeRO-3 calls ``step()`` once per sub-group).
 
 Example (what :func:`muonkit.integrations.deepspeed.initialize` does)::
 
@@ -31,15 +34,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from muonkit.config import MuonConfig
+from muonkit.distributed.agreement import Setting
 from muonkit.distributed.base import Strategy
+from muonkit.distributed.collectives import Collectives
 from muonkit.distributed.zero_layout import FlatLayout, Piece
 from muonkit.functional.matrices import MatrixLayout
 from muonkit.functional.muon import muon_directions
@@ -55,7 +59,7 @@ class ExchangePlan:
     """Who orthogonalizes which param of a :class:`FlatLayout`, seen from one rank."""
 
     owners: tuple[int, ...]
-    """Owner rank of each param (the same tuple on every rank)."""
+    """Owner rank of each param (the same tuple on every rank); -1 for a zero-size param (no work)."""
     computed: tuple[int, ...]
     """Indices of the params this rank orthogonalizes."""
     gather: Route
@@ -76,8 +80,8 @@ def plan_exchange(layout: FlatLayout, costs: Sequence[float], rank: int) -> Exch
         if len(param.pieces) == 1:
             owners[i] = param.pieces[0].rank
             load[owners[i]] += costs[i]
-        else:
-            split.append(i)
+        elif param.pieces:
+            split.append(i)  # zero-size params have no pieces, no owner and nothing to compute
     for i in sorted(split, key=lambda i: (-costs[i], i)):
         pieces = layout.params[i].pieces  # largest piece wins a tie: fewer bytes to move
         owner = min(pieces, key=lambda p: (load[p.rank], -p.length, p.rank)).rank
@@ -107,9 +111,9 @@ class ZeroStrategy(Strategy):
 
     def __init__(self, *, process_group: Any = None) -> None:
         super().__init__()
-        self.group = process_group
-        self.rank = dist.get_rank(process_group)
-        self.world_size = dist.get_world_size(process_group)
+        self.comm = Collectives(process_group, self.stats)
+        self.rank = self.comm.rank
+        self.world_size = self.comm.world_size
         self._layouts: dict[int, tuple[Tensor, FlatLayout]] = {}
         self._plans: dict[tuple[int, MatrixLayout, int, str], ExchangePlan] = {}
 
@@ -151,10 +155,10 @@ class ZeroStrategy(Strategy):
         return self._plans[key]
 
     def all_finite(self, local_ok: Tensor) -> bool:
-        flag = local_ok.detach().to(torch.int32).reshape(1).clone()
-        self._count(2 * (self.world_size - 1) / self.world_size * flag.element_size())
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
-        return bool(flag.item())
+        return self.comm.all_ranks_true(local_ok)
+
+    def check_participation(self, has_grad: Sequence[bool], settings: Callable[[], Sequence[Setting]] = list) -> None:
+        self.comm.check_agreement([*settings(), Setting("strategy", self.name)], has_grad)
 
     def muon_directions(self, params: list[Tensor], updates: list[Tensor], config: MuonConfig) -> list[Tensor]:
         return [self._directions(p, u, config) for p, u in zip(params, updates, strict=True)]
@@ -214,14 +218,9 @@ class ZeroStrategy(Strategy):
         flat = [t for ts in outgoing for t in ts]
         send = torch.cat(flat) if flat else like.new_empty(0)
         recv = like.new_empty(sum(recv_sizes))
-        self._count(sum(n for r, n in enumerate(send_sizes) if r != self.rank) * like.element_size())
-        dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=self.group)
+        self.comm.all_to_all_single(recv, send, output_splits=recv_sizes, input_splits=send_sizes).wait()
         chunks = torch.split(recv, recv_sizes)
         return [list(torch.split(chunk, n)) if n else [] for chunk, n in zip(chunks, incoming, strict=True)]
-
-    def _count(self, nbytes: float) -> None:
-        self.stats.collectives += 1
-        self.stats.bytes_sent += round(nbytes)
 
 
 def _local(flat: Tensor, piece: Piece) -> Tensor:

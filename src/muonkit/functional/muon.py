@@ -70,6 +70,10 @@ def muon_directions(
     results: list[list[Tensor]] = [[torch.empty(0)] * len(mats) for mats in pieces]
     for (rows, cols), members in by_shape.items():
         batch = [pieces[ti][bi] for ti, bi in members]
+        if not any(m.numel() for m in batch):  # empty matrices: empty directions, nothing to compute
+            for ti, bi in members:
+                results[ti][bi] = pieces[ti][bi]
+            continue
         if on_batch is not None:
             on_batch(sum(m.size(0) for m in batch), rows, cols)
         out = options.orthogonalize_batches(batch, rows=rows, cols=cols)

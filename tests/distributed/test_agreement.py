@@ -1,0 +1,88 @@
+"""Single-process tests of distributed agreement and device placement (no ranks launched).
+
+The all-reduce is simulated: its MAX over ranks is ``torch.stack(vectors).amax(0)``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import muonkit
+from muonkit.config import group_config
+from muonkit.distributed.agreement import Setting, check_agreement, encode, settings_of
+from muonkit.distributed.collectives import flag_device
+from muonkit.distributed.zero import plan_exchange
+from muonkit.distributed.zero_layout import contiguous_layout, per_param_layout
+
+
+@pytest.mark.parametrize(
+    ("config", "expected"),
+    [
+        ("cuda:nccl", torch.device("cuda", 3)),  # NCCL reduces CUDA tensors only, on the current device
+        ("cpu:gloo,cuda:nccl", torch.device("cpu")),  # init_process_group() without a backend
+        ("cpu:gloo,cuda:gloo", torch.device("cpu")),
+        ("xpu:xccl", torch.device("xpu", 3)),
+    ],
+)
+def test_flag_device_follows_the_group_backend(
+    monkeypatch: pytest.MonkeyPatch, config: str, expected: torch.device
+) -> None:
+    group = object()
+    monkeypatch.setattr(dist, "get_backend_config", lambda g: config if g is group else "wrong group")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.xpu, "current_device", lambda: 3)
+    assert flag_device(group) == expected
+
+
+def _reduce(vectors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.stack(vectors).amax(0)  # what all_reduce(MAX) leaves on every rank
+
+
+def _settings(lr: float = 0.02, shape: tuple[int, ...] = (4, 4)) -> list[Setting]:
+    p, v = torch.nn.Parameter(torch.zeros(shape)), torch.nn.Parameter(torch.zeros(3))
+    opt = muonkit.HybridMuon([{"params": [p], "algorithm": "muon", "lr": lr}, {"params": [v], "algorithm": "adamw"}])
+    configs = [group_config(g, i) for i, g in enumerate(opt.param_groups)]
+    return settings_of(configs, opt.param_groups, nonfinite="skip")
+
+
+def test_agreeing_ranks_pass_and_a_word_is_62_bits() -> None:
+    settings = _settings()
+    check_agreement(_reduce([encode(settings, [True, False])] * 4), settings, [True, False])
+    assert all(0 <= s.word() < 2**62 for s in settings)
+    assert encode(settings, [True]).numel() == 2 * 64  # padded to a power of two, then negated
+
+
+def test_a_differing_lr_names_the_group_and_this_ranks_value() -> None:
+    mine, other = _settings(lr=0.02), _settings(lr=0.01)
+    reduced = _reduce([encode(mine, [True, True]), encode(other, [True, True])])
+    with pytest.raises(ValueError, match=r"settings differ across ranks: param group 0 lr \(here 0\.02\)\. Every"):
+        check_agreement(reduced, mine, [True, True])
+
+
+def test_differing_shapes_report_the_structure_only() -> None:
+    mine, other = _settings(shape=(4, 4)), _settings(shape=(4, 5))
+    reduced = _reduce([encode(mine, [True, True]), encode(other, [True, True])])
+    with pytest.raises(ValueError, match=r"param groups \(algorithms, param shapes and dtypes\) differ across ranks"):
+        check_agreement(reduced, mine, [True, True])
+
+
+def test_differing_gradients_name_the_positions() -> None:
+    settings = _settings()
+    reduced = _reduce([encode(settings, [True, True]), encode(settings, [True, False])])
+    with pytest.raises(RuntimeError, match=r"which params have gradients at positions \[1\]"):
+        check_agreement(reduced, settings, [True, True])
+
+
+def test_zero_size_params_have_no_owner_and_no_route() -> None:
+    shapes = [(0, 8), (3, 4), (8, 0), (5, 2)]
+    for layout in (
+        contiguous_layout(names=list("abcd"), shapes=shapes, offsets=[0, 0, 12, 12], partition_size=11, world_size=2),
+        per_param_layout(names=list("abcd"), shapes=shapes, world_size=2),
+    ):
+        for rank in range(2):
+            plan = plan_exchange(layout, [0.0, 48.0, 0.0, 20.0], rank)
+            assert plan.owners[0] == plan.owners[2] == -1, plan.owners
+            assert 0 not in plan.computed and 2 not in plan.computed
+            assert all(i not in (0, 2) for route in plan.gather + plan.scatter for i, _ in route)
