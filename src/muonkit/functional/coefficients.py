@@ -31,8 +31,10 @@ torch.optim.Muon's bf16 path gives 0.51 on the same input).
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import Any
 
 Coefficients = tuple[float, float, float]
@@ -131,16 +133,30 @@ def as_schedule(coefficients: Sequence[Sequence[float]] | Sequence[float]) -> tu
             f"Invalid ns_coefficients={coefficients!r}: must be one of {sorted(PRESETS)} or a sequence of (a, b, c) tuples"
         )
     items: list[Any] = list(coefficients)
-    if len(items) == 3 and all(isinstance(v, (int, float)) for v in items):
+    if len(items) == 3 and all(_is_real(v) for v in items):
         items = [items]  # a flat (a, b, c) triple
     schedule: list[Coefficients] = []
     for item in items:
         if not isinstance(item, Sequence) or isinstance(item, str) or len(item) != 3:
             raise ValueError(bad_step)
-        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in item):
+        if not all(_is_real(v) and _finite(v) for v in item):
             raise ValueError(bad_step)
         a, b, c = (float(v) for v in item)
         schedule.append((a, b, c))
     if not schedule:
         raise ValueError("Invalid ns_coefficients=[]: need at least one (a, b, c) triple")
     return tuple(schedule)
+
+
+def _is_real(value: Any) -> bool:
+    """A real number (Python, numpy scalar or 0-d array, ``Decimal``, ``Fraction``), not a bool."""
+    if type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0:
+        value = value.item()
+    return isinstance(value, (numbers.Real, Decimal)) and not isinstance(value, bool)
+
+
+def _finite(value: Any) -> bool:
+    try:
+        return math.isfinite(float(value))
+    except (ValueError, OverflowError):  # Decimal('sNaN'), ints beyond float range
+        return False
