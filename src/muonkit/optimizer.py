@@ -284,9 +284,9 @@ class HybridMuon(Optimizer):
         """What ``copy.deepcopy`` and pickle keep: torch's defaults, state and groups, and ours."""
         if not isinstance(self.strategy, SingleDeviceStrategy):
             raise TypeError(
-                f"Cannot copy or pickle a HybridMuon with strategy {type(self.strategy).__name__}: it holds a "
-                "process group, which cannot be copied. Save opt.state_dict() (or use "
-                "muonkit.distributed.checkpoint) and load it into a new optimizer"
+                f"Cannot copy or pickle a HybridMuon with strategy {type(self.strategy).__name__}: only a "
+                "single-device optimizer can be copied (a distributed strategy holds process groups). Save "
+                "opt.state_dict() (or use muonkit.distributed.checkpoint) and load it into a new optimizer"
             )
         extra = {"strategy", "nonfinite", "skipped_steps", "_adamw_defaults"}
         return {**super().__getstate__(), **{k: v for k, v in self.__dict__.items() if k in extra}}
