@@ -56,7 +56,7 @@ class HybridMuon(Optimizer):
     hold embeddings, norms and biases, which are normally not decayed). To reuse AdamW's lr and
     weight decay for the Muon groups, pass ``adjust_lr="match_adamw"`` and the AdamW values.
 
-    Hyperparameters are Python numbers, numpy scalars, ``Decimal``\ s or one-element tensors
+    Hyperparameters are Python numbers, numpy scalars, ``Decimal`` values or one-element tensors
     (stored as Python numbers, tensors as given); integers (``ns_steps``, ``split_sizes``) must
     be ints, Python or numpy. A group key the optimizer does not know is an error.
 
