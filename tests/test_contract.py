@@ -238,7 +238,8 @@ MUON_BAD: list[tuple[str, Any, str]] = [
     (
         "adjust_lr",
         "original",
-        "Invalid adjust_lr='original': must be one of ('keller', 'match_adamw', 'spectral', None)",
+        "Invalid adjust_lr='original': must be one of ('keller', 'match_adamw', 'spectral', None) "
+        "(torch.optim.Muon's 'original' is 'keller' here)",
     ),
     ("layout", "diag", "Invalid layout='diag': must be one of ('auto', 'matrix', 'transposed', 'experts', 'flatten')"),
     ("layout", "transposed", "Invalid layout='transposed' for a tensor with ndim=3: it needs a 2D tensor"),

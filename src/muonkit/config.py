@@ -7,6 +7,7 @@ dataclass. Every error names the key, the value and what is allowed.
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -24,6 +25,7 @@ from muonkit.functional.validation import ns_dtype as _ns_dtype
 from muonkit.functional.validation import ns_steps as _ns_steps
 from muonkit.functional.validation import positive as _positive
 from muonkit.functional.validation import positive_int as _positive_int
+from muonkit.functional.validation import real
 from muonkit.functional.validation import unit as _unit
 
 Algorithm = Literal["muon", "adamw"]
@@ -33,6 +35,27 @@ MUON_KEYS = (
     "adjust_lr", "layout", "split_sizes", "ns_dtype", "ns_method",
 )  # fmt: skip
 ADAMW_KEYS = ("lr", "betas", "eps", "weight_decay")
+SCHEDULER_KEYS = ("initial_lr", "max_lr", "min_lr", "base_momentum", "max_momentum", "swa_lr")
+"""Keys torch's lr schedulers and SWA write into param groups (a group copied from a scheduled
+optimizer carries them); the step ignores them."""
+GROUP_KEYS: tuple[str, ...] = (
+    "params",
+    "param_names",
+    "algorithm",
+    *dict.fromkeys(MUON_KEYS + ADAMW_KEYS),
+    *SCHEDULER_KEYS,
+)
+"""Every key a param group handed to :class:`muonkit.HybridMuon` may have."""
+KEY_ALIASES = {
+    "adjust_lr_fn": "adjust_lr",  # torch.optim.Muon
+    "adamw_lr": "lr", "adamw_eps": "eps", "adamw_weight_decay": "weight_decay",  # HybridMuon's keywords
+    "beta1": "betas", "beta2": "betas",
+}  # fmt: skip
+ADJUST_LR_ALIASES = {
+    "original": ("keller", "torch.optim.Muon"), "match_rms_adamw": ("match_adamw", "torch.optim.Muon"),
+    "rms_norm": ("match_adamw", "dion"), "spectral_norm": ("spectral", "dion"),
+}  # fmt: skip
+_UNSUPPORTED = ("amsgrad", "maximize", "foreach", "fused", "capturable", "differentiable", "decoupled_weight_decay")
 
 
 @dataclass(frozen=True)
@@ -100,7 +123,9 @@ def _muon_config(g: Mapping[str, Any]) -> MuonConfig:
         ns_coefficients = as_schedule(ns_coefficients)
     adjust_lr = g["adjust_lr"]
     if adjust_lr not in ADJUST_LR_CHOICES:
-        raise ValueError(f"Invalid adjust_lr={adjust_lr!r}: must be one of {ADJUST_LR_CHOICES}")
+        alias = ADJUST_LR_ALIASES.get(adjust_lr) if isinstance(adjust_lr, str) else None
+        hint = f" ({alias[1]}'s {adjust_lr!r} is {alias[0]!r} here)" if alias else ""
+        raise ValueError(f"Invalid adjust_lr={adjust_lr!r}: must be one of {ADJUST_LR_CHOICES}{hint}")
     layout = g["layout"]
     if layout not in LAYOUT_KINDS:
         raise ValueError(f"Invalid layout={layout!r}: must be one of {LAYOUT_KINDS}")
@@ -138,3 +163,52 @@ def _adamw_config(g: Mapping[str, Any]) -> AdamWConfig:
         eps=_positive("eps", g["eps"]),
         weight_decay=_nonneg("weight_decay", g["weight_decay"]),
     )
+
+
+def check_group_keys(group: Mapping[str, Any], where: str = "", *, allowed: Sequence[str] = GROUP_KEYS) -> None:
+    """Refuse keys a param group does not know: a typo would otherwise train on the default silently.
+
+    ``where`` completes the message (``" in param group 2"``). The message names the closest known
+    key: torch's names (``adjust_lr_fn`` -> ``adjust_lr``) and misspellings (``ns_step`` -> ``ns_steps``).
+    """
+    unknown = [k for k in group if k not in allowed]
+    if unknown:
+        key = unknown[0]
+        raise ValueError(
+            f"Unknown key {key!r}{where}{_key_hint(key, allowed)}: Muon groups take {MUON_KEYS}, "
+            f"AdamW groups {ADAMW_KEYS}"
+        )
+
+
+def _key_hint(key: Any, allowed: Sequence[str]) -> str:
+    if not isinstance(key, str):
+        return ""
+    if key in _UNSUPPORTED:
+        return f" (torch.optim's {key} option is not supported)"
+    if key in KEY_ALIASES and KEY_ALIASES[key] in allowed:
+        return f" (did you mean {KEY_ALIASES[key]!r}?)"
+    if key in MUON_KEYS + ADAMW_KEYS:  # allowed elsewhere: muon_options={"betas": ...}
+        return f" ({key!r} is {'a Muon' if key in MUON_KEYS else 'an AdamW'} setting)"
+    close = difflib.get_close_matches(key, allowed, n=1, cutoff=0.75)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def plain_hyperparameters(group: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of ``group`` with its numbers as Python ints and floats (numpy scalars, ``Decimal``...).
+
+    So that ``state_dict()`` holds plain values (``torch.load(weights_only=True)`` refuses numpy
+    scalars). Tensors (a tensor lr a scheduler updates in place) and non-numbers stay as they are.
+    """
+    out = dict(group)
+    for key in ("lr", "momentum", "eps", "weight_decay", "ns_steps", "betas", "split_sizes", "ns_coefficients"):
+        if key in out:
+            out[key] = _plain(out[key])
+    return out
+
+
+def _plain(value: Any) -> Any:
+    if type(value) in (list, tuple):
+        return type(value)(_plain(v) for v in value)
+    if type(value) in (bool, int, float) or isinstance(value, torch.Tensor) or (number := real(value)) is None:
+        return value
+    return number  # np.float64 is a float subclass, but not one torch.load(weights_only=True) accepts

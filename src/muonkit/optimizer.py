@@ -17,8 +17,8 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from muonkit.config import AdamWConfig, MuonConfig, group_config
-from muonkit.distributed import Strategy, select_strategy
+from muonkit.config import AdamWConfig, MuonConfig, check_group_keys, group_config, plain_hyperparameters
+from muonkit.distributed import SingleDeviceStrategy, Strategy, select_strategy
 from muonkit.distributed.agreement import settings_of
 from muonkit.foreign_state import muonkit_group
 from muonkit.functional.adamw import adamw_
@@ -60,9 +60,19 @@ class HybridMuon(Optimizer):
     hold embeddings, norms and biases, which are normally not decayed). To reuse AdamW's lr and
     weight decay for the Muon groups, pass ``adjust_lr="match_adamw"`` and the AdamW values.
 
+    Hyperparameters are Python numbers, numpy scalars, ``Decimal`` values or one-element tensors
+    (stored as Python numbers, tensors as given); integers (``ns_steps``, ``split_sizes``) must
+    be ints, Python or numpy. A group key the optimizer does not know is an error.
+
+    A ``copy.deepcopy`` or pickle of the optimizer keeps everything (hyperparameters, states,
+    ``nonfinite``, ``skipped_steps``, the strategy) and steps exactly like the original. Only a
+    single-device optimizer can be copied: a distributed strategy holds a process group, which
+    cannot be; save ``state_dict()`` instead.
+
     Args:
         params: param groups (dicts with ``"algorithm"``) or an iterable of tensors (all >= 2D,
-            then all Muon).
+            then all Muon); tensors may come as ``(name, tensor)`` pairs
+            (``model.named_parameters()``), whose names are kept in ``param_names`` as in torch.
         lr, momentum, nesterov, ns_coefficients, ns_steps, eps, weight_decay, adjust_lr: Muon
             defaults; ``ns_coefficients`` is ``"polar_express"``, ``"keller"``, ``"you"`` or a
             sequence of ``(a, b, c)``; ``adjust_lr`` is ``"keller"``, ``"match_adamw"``,
@@ -112,15 +122,18 @@ class HybridMuon(Optimizer):
             raise ValueError(f"Invalid nonfinite={nonfinite!r}: must be one of {NONFINITE_CHOICES}")
         self.nonfinite = nonfinite
         self.skipped_steps = 0
-        self._adamw_defaults = {"lr": adamw_lr, "betas": betas, "eps": adamw_eps, "weight_decay": adamw_weight_decay}
+        self._adamw_defaults = plain_hyperparameters(
+            {"lr": adamw_lr, "betas": betas, "eps": adamw_eps, "weight_decay": adamw_weight_decay}
+        )
+        if isinstance(split_sizes, Sequence) and not isinstance(split_sizes, str):
+            split_sizes = tuple(split_sizes)  # anything else is refused with the group's message
         defaults = {
             "algorithm": None, "lr": lr, "momentum": momentum, "nesterov": nesterov,
             "ns_coefficients": ns_coefficients, "ns_steps": ns_steps, "eps": eps,
             "weight_decay": weight_decay, "adjust_lr": adjust_lr, "layout": layout,
-            "split_sizes": None if split_sizes is None else tuple(split_sizes),
-            "ns_dtype": ns_dtype, "ns_method": ns_method, "betas": betas,
+            "split_sizes": split_sizes, "ns_dtype": ns_dtype, "ns_method": ns_method, "betas": betas,
         }  # fmt: skip
-        super().__init__(params, defaults)
+        super().__init__(params, plain_hyperparameters(defaults))
         all_params = [p for g in self.param_groups for p in g["params"]]
         self.strategy: Strategy = strategy or select_strategy(all_params, process_group=process_group)
 
@@ -136,27 +149,34 @@ class HybridMuon(Optimizer):
     # ------------------------------------------------------------------ groups
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group; it is validated completely before anything changes."""
+        """Add a group; it is validated completely before anything changes.
+
+        ``params`` may hold ``(name, tensor)`` pairs, as torch.optim accepts since 2.6; the names
+        become the group's ``param_names``.
+        """
+        index = len(self.param_groups)
+        if not isinstance(param_group, Mapping):
+            raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
+        if "params" not in param_group:
+            raise ValueError(f"Param group {index} has no 'params'")
+        check_group_keys(param_group, f" in param group {index}")
         group = dict(param_group)
-        params = group["params"]
-        if isinstance(params, set):
-            raise TypeError("Invalid params: a set has no stable order (state_dict would mismatch); use a list")
-        params = [params] if isinstance(params, Tensor) else list(params)
+        params, names = _tensors_and_names(group["params"], index)
         group["params"] = params  # a generator is consumed here: hand torch the list
+        if names is not None:
+            group["param_names"] = names
         if any(p.is_complex() for p in params):
-            raise ValueError(
-                f"Param group {len(self.param_groups)} has a complex tensor: complex params are not supported"
-            )
+            raise ValueError(f"Param group {index} has a complex tensor: complex params are not supported")
         if "algorithm" not in group or group["algorithm"] is None:
-            group["algorithm"] = _default_algorithm(params, len(self.param_groups))
+            group["algorithm"] = _default_algorithm(params, index)
         if group["algorithm"] == "adamw":
             for key, value in self._adamw_defaults.items():
                 group.setdefault(key, value)
         filled = {**self.defaults, **group}
-        group_config(filled, len(self.param_groups))
+        group_config(filled, index)
         if filled["algorithm"] == "muon":
-            _check_muon_params(params, filled, len(self.param_groups))
-        super().add_param_group(group)
+            _check_muon_params(params, filled, index)
+        super().add_param_group(plain_hyperparameters(group))
 
     # ------------------------------------------------------------------ step
 
@@ -261,6 +281,23 @@ class HybridMuon(Optimizer):
 
     # ------------------------------------------------------------------ checkpoints
 
+    def state_dict(self) -> dict[str, Any]:
+        """torch.optim's state dict, plus ``skipped_steps`` (steps skipped for a non-finite gradient)."""
+        state = super().state_dict()
+        state["skipped_steps"] = self.skipped_steps
+        return state
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What ``copy.deepcopy`` and pickle keep: torch's defaults, state and groups, and ours."""
+        if not isinstance(self.strategy, SingleDeviceStrategy):
+            raise TypeError(
+                f"Cannot copy or pickle a HybridMuon with strategy {type(self.strategy).__name__}: only a "
+                "single-device optimizer can be copied (a distributed strategy holds process groups). Save "
+                "opt.state_dict() (or use muonkit.distributed.checkpoint) and load it into a new optimizer"
+            )
+        extra = {"strategy", "nonfinite", "skipped_steps", "_adamw_defaults"}
+        return {**super().__getstate__(), **{k: v for k, v in self.__dict__.items() if k in extra}}
+
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load a state; a state that does not fit these param groups raises and changes nothing.
 
@@ -272,10 +309,12 @@ class HybridMuon(Optimizer):
         values that would wreck the next step (non-finite, negative ``exp_avg_sq``), raise.
         """
         state_dict = self._check_state_dict(state_dict)
+        skipped = _saved_skipped_steps(state_dict, default=self.skipped_steps)
         current = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
         saved = state_dict["state"]
         ids = [pid for g in state_dict["param_groups"] for pid in g["params"]]
         super().load_state_dict(dict(state_dict))
+        self.skipped_steps = skipped
         for group, before in zip(self.param_groups, current, strict=True):
             for key, value in before.items():
                 group.setdefault(key, value)
@@ -349,6 +388,44 @@ def _finite_by_device(scalars: Sequence[Tensor]) -> bool:
     for x in scalars:
         by_device.setdefault(x.device, []).append(x)
     return all(bool(torch.stack(xs).isfinite().all()) for xs in by_device.values())
+
+
+def _tensors_and_names(params: Any, index: int) -> tuple[list[Tensor], list[str] | None]:
+    """A group's ``params`` as a list of tensors, and their names if given as ``(name, tensor)`` pairs."""
+    if isinstance(params, set):
+        raise TypeError("Invalid params: a set has no stable order (state_dict would mismatch); use a list")
+    if isinstance(params, Tensor):
+        return [params], None
+    try:
+        items = list(params)
+    except TypeError:
+        raise TypeError(
+            f"Invalid params in param group {index}: expected a tensor or an iterable of tensors, "
+            f"got {type(params).__name__}"
+        ) from None
+    pairs = [isinstance(p, tuple) for p in items]
+    if any(pairs) and not all(pairs):  # torch.optim's own message
+        raise ValueError("all optimizer params should be with/without names. Some param names are missing")
+    names = None
+    if items and all(pairs):
+        if not all(len(p) == 2 and isinstance(p[0], str) for p in items):
+            raise TypeError(f"Invalid params in param group {index}: named params must be (str, tensor) pairs")
+        names, items = [p[0] for p in items], [p[1] for p in items]
+    for p in items:
+        if not isinstance(p, Tensor):
+            raise TypeError(
+                f"Invalid params in param group {index}: optimizer can only optimize Tensors, "
+                f"but one of the params is {torch.typename(p)}"
+            )
+    return items, names
+
+
+def _saved_skipped_steps(state_dict: Mapping[str, Any], *, default: int) -> int:
+    """``skipped_steps`` of a state dict; one saved before it was kept has none: the current count stays."""
+    value = state_dict.get("skipped_steps", default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"Invalid optimizer state: skipped_steps={value!r} must be an int >= 0")
+    return value
 
 
 def _default_algorithm(params: list[Tensor], index: int) -> str:
@@ -472,6 +549,8 @@ class Muon(HybridMuon):
         **kwargs: Any,
     ) -> None:
         names = {None: "keller", "original": "keller", "match_rms_adamw": "match_adamw"}
+        if isinstance(adjust_lr_fn, str | None):
+            adjust_lr_fn = names.get(adjust_lr_fn, adjust_lr_fn)
         super().__init__(
             params,
             lr=lr,
@@ -481,7 +560,7 @@ class Muon(HybridMuon):
             ns_coefficients=cast(Sequence[Sequence[float]], ns_coefficients),
             eps=eps,
             ns_steps=ns_steps,
-            adjust_lr=names.get(adjust_lr_fn, adjust_lr_fn),
+            adjust_lr=adjust_lr_fn,
             **kwargs,
         )
         for i, group in enumerate(self.param_groups):

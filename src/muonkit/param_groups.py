@@ -13,6 +13,7 @@ from typing import Any
 
 from torch import nn
 
+from muonkit.config import ADAMW_KEYS, MUON_KEYS, check_group_keys
 from muonkit.routing import STATE_BYTES, Route, RuleLike, route
 
 
@@ -32,9 +33,12 @@ def param_groups(
 
     One group per (algorithm, layout, split): Muon groups get ``lr`` and ``weight_decay``, AdamW
     groups ``adamw_lr`` and ``adamw_weight_decay``. ``muon_options`` / ``adamw_options`` add any
-    other group key (``adjust_lr``, ``betas``...). Each group also carries ``param_names``.
+    other group key (``adjust_lr``, ``ns_steps``... / ``betas``, ``eps``); an unknown key is an
+    error. Each group also carries ``param_names``.
     See :mod:`muonkit.routing` for the rules; ``rules`` are checked first.
     """
+    check_group_keys(muon_options or {}, " in muon_options", allowed=MUON_KEYS)
+    check_group_keys(adamw_options or {}, " in adamw_options", allowed=ADAMW_KEYS)
     routes = route(model, rules=rules, split_qkv=split_qkv)
     named = dict(model.named_parameters())
     groups: dict[tuple[Any, ...], dict[str, Any]] = {}

@@ -9,7 +9,7 @@ from __future__ import annotations
 import decimal
 import math
 import numbers
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -17,20 +17,50 @@ MAX_NS_STEPS = 100
 NS_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
+def real(value: Any) -> int | float | None:
+    """``value`` as a Python int or float if it is a real number, else None.
+
+    Real numbers: Python ints and floats, numpy scalars and 0-d arrays, ``Decimal``, ``Fraction``
+    and one-element tensors; never bools (``True`` is no learning rate), complex numbers or strings.
+    """
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    elif type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0:
+        value = value.item()  # numpy scalar or 0-d array -> Python bool, int, float or complex
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, (numbers.Real, decimal.Decimal)):
+        try:
+            return float(value)
+        except (ValueError, OverflowError):  # Decimal('sNaN')
+            return None
+    return None
+
+
+def integer(value: Any) -> int | None:
+    """``value`` as a Python int if it is an integer (Python or numpy; not a float such as 5.0)."""
+    number = real(value)
+    return number if isinstance(number, int) else None
+
+
 def is_finite_number(value: Any) -> bool:
-    """A finite Python, numpy or ``Decimal`` real scalar, not a bool."""
-    if isinstance(value, decimal.Decimal):
-        return value.is_finite()
-    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+    """A finite real number in the sense of :func:`real`."""
+    number = real(value)
+    try:
+        return number is not None and math.isfinite(number)
+    except OverflowError:  # an int beyond float range
+        return False
 
 
 def number(name: str, value: Any) -> float:
     """``value`` as a float if it is a finite real number (or a one-element real tensor)."""
-    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex():
-        value = value.item()
+    if isinstance(value, torch.Tensor) and value.numel() != 1:
+        raise ValueError(f"Invalid {name}={value!r}: Tensor {name} must be 1-element")
     if not is_finite_number(value):
         raise ValueError(f"Invalid {name}={value!r}: must be a finite number")
-    return float(value)
+    return float(cast(float, real(value)))
 
 
 def nonneg(name: str, value: Any) -> float:
@@ -60,21 +90,21 @@ def flag(name: str, value: Any) -> bool:
     return value
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
 def positive_int(name: str, value: Any) -> int:
-    if not _is_int(value) or value <= 0:
+    n = integer(value)
+    if n is None or n <= 0:
         raise ValueError(f"Invalid {name} entry {value!r}: must be a positive int")
-    return int(value)
+    return n
 
 
 def ns_steps(name: str, value: Any) -> int | None:
     """None (the preset's own count) or an int in [1, MAX_NS_STEPS]."""
-    if value is not None and (not _is_int(value) or not 1 <= value <= MAX_NS_STEPS):
+    if value is None:
+        return None
+    n = integer(value)
+    if n is None or not 1 <= n <= MAX_NS_STEPS:
         raise ValueError(f"Invalid {name}={value!r}: must be None or an int in [1, {MAX_NS_STEPS}]")
-    return None if value is None else int(value)
+    return n
 
 
 def ns_dtype(name: str, value: Any) -> torch.dtype | None:

@@ -29,6 +29,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from muonkit.config import MUON_KEYS, check_group_keys
 from muonkit.distributed import world_size
 from muonkit.optimizer import HybridMuon
 from muonkit.param_groups import no_decay_on_vectors, param_groups
@@ -94,7 +95,7 @@ def make_optimizer(
       ``weight_decay`` (default ``args.weight_decay``) on their >= 2D tensors (embeddings, heads)
       and none on biases and norm gains, as the Trainer's own optimizer does.
     - Muon groups: lr ``muon_lr``, the same weight decay, and any ``muon_options``
-      (``adjust_lr``, ``ns_coefficients``, ``momentum``...).
+      (``adjust_lr``, ``ns_coefficients``, ``momentum``...; an unknown one is an error).
 
     Pass it as ``Trainer(..., optimizers=(make_optimizer(model, args), None))``.
 
@@ -105,6 +106,7 @@ def make_optimizer(
     FSDP mode is refused (accelerate swaps the parameters after the optimizer exists).
     """
     _check_trainer_mode(args)
+    check_group_keys(muon_options, " among make_optimizer's Muon options", allowed=MUON_KEYS)
     if process_group is None and world_size() > 1:
         process_group = torch.distributed.group.WORLD
     wd = weight_decay if weight_decay is not None else float(getattr(args, "weight_decay", 0.0))

@@ -1,0 +1,249 @@
+"""What a param group may hold: number types of hyperparameters, and only keys the optimizer knows.
+
+- Finite real numbers of any common type (Python, numpy scalars and 0-d arrays, ``Decimal``,
+  ``Fraction``, one-element tensors) are accepted and stored as Python numbers (tensors as given),
+  so ``state_dict()`` loads with ``weights_only=True``; integer settings take integers only.
+- A key the optimizer does not know is an error, with a hint for torch's names and misspellings,
+  in the constructor, ``add_param_group``, ``param_groups(muon_options=...)`` and
+  ``make_optimizer``; keys torch's schedulers write are fine, before and after construction.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+from decimal import Decimal
+from fractions import Fraction
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import muonkit
+from muonkit.integrations.transformers import make_optimizer
+from test_bad_input import Tiny, _loss
+
+FLOAT_TYPES: dict[str, Any] = {
+    "np.float16": np.float16,
+    "np.float32": np.float32,
+    "np.float64": np.float64,
+    "np.longdouble": np.longdouble,
+    "0-d array": lambda v: np.array(v, dtype=np.float32),
+    "Decimal": lambda v: Decimal(str(v)),
+    "Fraction": lambda v: Fraction(str(v)),
+    "tensor": lambda v: torch.tensor(v, dtype=torch.float64),
+}
+INT_TYPES: dict[str, Any] = {
+    "np.int64": np.int64,
+    "np.uint8": np.uint8,
+    "0-d array": np.array,
+    "int tensor": torch.tensor,
+}
+# key -> (algorithm, Python value); exact in binary, so every type above converts to the same float
+FLOAT_KEYS = {
+    "lr": ("muon", 0.03125),
+    "momentum": ("muon", 0.875),
+    "eps": ("muon", 2.0**-20),
+    "weight_decay": ("muon", 0.25),
+    "adamw lr": ("adamw", 0.0625),
+    "adamw eps": ("adamw", 2.0**-24),
+    "betas[0]": ("adamw", 0.75),
+    "betas[1]": ("adamw", 0.9375),
+}
+
+
+def _group(algorithm: str, key: str, value: Any) -> dict[str, Any]:
+    group: dict[str, Any] = {"algorithm": algorithm}
+    if key.startswith("betas"):
+        betas: list[Any] = [0.5, 0.5]
+        betas[int(key[-2])] = value
+        group["betas"] = tuple(betas)
+    else:
+        group[key.split()[-1]] = value
+    return group
+
+
+def _run(groups: list[dict[str, Any]]) -> tuple[muonkit.HybridMuon, list[torch.Tensor]]:
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(6, 4)) for _ in groups]
+    opt = muonkit.HybridMuon([{"params": [p], **g} for p, g in zip(params, groups, strict=True)])
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    return opt, params
+
+
+def _weights_only_round_trip(opt: torch.optim.Optimizer) -> dict[str, Any]:
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    return torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+
+
+@pytest.mark.parametrize("kind", list(FLOAT_TYPES))
+@pytest.mark.parametrize("key", list(FLOAT_KEYS))
+def test_float_hyperparameters_of_any_real_type(key: str, kind: str) -> None:
+    algorithm, value = FLOAT_KEYS[key]
+    converted = FLOAT_TYPES[kind](value)
+    opt, params = _run([_group(algorithm, key, converted)])
+    reference_opt, reference = _run([_group(algorithm, key, value)])
+    assert torch.equal(params[0], reference[0])  # the same step as with the Python float
+    stored = opt.param_groups[0]
+    name = key.split()[-1] if not key.startswith("betas") else "betas"
+    plain = stored[name] if name != "betas" else stored[name][int(key[-2])]
+    if kind == "tensor":
+        assert plain is converted  # a tensor stays the caller's (a scheduler may update it in place)
+        return
+    assert stored[name] == reference_opt.param_groups[0][name]
+    assert type(plain) is float
+    assert _weights_only_round_trip(opt)["param_groups"][0][name] == stored[name]
+
+
+@pytest.mark.parametrize("kind", list(INT_TYPES))
+def test_integer_hyperparameters_of_any_integer_type(kind: str) -> None:
+    make = INT_TYPES[kind]
+    opt, params = _run([{"algorithm": "muon", "ns_steps": make(3), "split_sizes": (make(2), make(4))}])
+    _, reference = _run([{"algorithm": "muon", "ns_steps": 3, "split_sizes": (2, 4)}])
+    assert torch.equal(params[0], reference[0])
+    if kind != "int tensor":
+        group = opt.param_groups[0]
+        assert type(group["ns_steps"]) is int and [type(s) for s in group["split_sizes"]] == [int, int]
+        assert _weights_only_round_trip(opt)["param_groups"][0]["ns_steps"] == 3
+
+
+def test_constructor_defaults_and_coefficients_of_numpy_type_are_stored_plain() -> None:
+    p, v = nn.Parameter(torch.randn(6, 4)), nn.Parameter(torch.randn(6))
+    opt = muonkit.HybridMuon(
+        [{"params": [p]}, {"params": [v], "algorithm": "adamw"}],
+        lr=np.float32(0.03125),
+        ns_steps=np.int32(4),
+        ns_coefficients=[(np.float32(3.0), Decimal("-3.0"), np.array(1.0))],
+        adamw_lr=Decimal("0.001"),
+        betas=(np.float64(0.75), np.float32(0.5)),
+    )
+    sd = _weights_only_round_trip(opt)
+    muon, adamw = sd["param_groups"]
+    assert (muon["lr"], muon["ns_steps"], muon["ns_coefficients"]) == (0.03125, 4, [(3.0, -3.0, 1.0)])
+    assert (adamw["lr"], adamw["betas"]) == (0.001, (0.75, 0.5))
+
+
+BAD_NUMBERS: list[tuple[str, Any, str]] = [
+    ("lr", np.float32("nan"), "Invalid lr=np.float32(nan): must be a finite number"),
+    ("lr", np.float64("inf"), "Invalid lr=np.float64(inf): must be a finite number"),
+    ("lr", Decimal("NaN"), "Invalid lr=Decimal('NaN'): must be a finite number"),
+    ("lr", Decimal("sNaN"), "Invalid lr=Decimal('sNaN'): must be a finite number"),
+    ("lr", 10**400, f"Invalid lr={10**400}: must be a finite number"),
+    ("lr", np.bool_(True), "Invalid lr=np.True_: must be a finite number"),
+    ("lr", np.complex64(1), "Invalid lr=np.complex64(1+0j): must be a finite number"),
+    ("lr", np.float32(-0.5), "Invalid lr=np.float32(-0.5): must be >= 0"),
+    ("lr", Fraction(-1, 2), "Invalid lr=Fraction(-1, 2): must be >= 0"),
+    ("lr", torch.tensor([0.1, 0.1]), "Invalid lr=tensor([0.1000, 0.1000]): Tensor lr must be 1-element"),
+    ("lr", torch.tensor(True), "Invalid lr=tensor(True): must be a finite number"),
+    ("momentum", Decimal("1"), "Invalid momentum=Decimal('1'): must be in [0, 1)"),
+    ("eps", np.float16(0), "Invalid eps=np.float16(0.0): must be > 0"),
+    ("ns_steps", np.float64(5.0), "Invalid ns_steps=np.float64(5.0): must be None or an int in [1, 100]"),
+    ("ns_steps", Decimal(5), "Invalid ns_steps=Decimal('5'): must be None or an int in [1, 100]"),
+    ("ns_steps", np.int64(0), "Invalid ns_steps=np.int64(0): must be None or an int in [1, 100]"),
+    ("ns_steps", np.bool_(True), "Invalid ns_steps=np.True_: must be None or an int in [1, 100]"),
+    ("split_sizes", (np.float32(2), 4), "Invalid split_sizes entry np.float32(2.0): must be a positive int"),
+]
+
+
+@pytest.mark.parametrize(("key", "value", "message"), BAD_NUMBERS, ids=[f"{k}={v!r}" for k, v, _ in BAD_NUMBERS])
+def test_bad_numbers_of_any_type_are_refused(key: str, value: Any, message: str) -> None:
+    with pytest.raises(ValueError, match="^" + re.escape(f"{message} in param group 0") + "$"):
+        muonkit.HybridMuon([{"params": [nn.Parameter(torch.randn(6, 4))], "algorithm": "muon", key: value}])
+
+
+# ---------------------------------------------------------------------------- unknown keys
+
+MUON_LIST = "('lr', 'momentum', 'nesterov', 'ns_coefficients', 'ns_steps', 'eps', 'weight_decay', 'adjust_lr', 'layout', 'split_sizes', 'ns_dtype', 'ns_method')"
+ALLOWED = f": Muon groups take {MUON_LIST}, AdamW groups ('lr', 'betas', 'eps', 'weight_decay')"
+UNKNOWN: list[tuple[str, Any, str]] = [
+    ("ns_step", 3, " (did you mean 'ns_steps'?)"),
+    ("adjust_lr_fn", "original", " (did you mean 'adjust_lr'?)"),
+    ("momentun", 0.9, " (did you mean 'momentum'?)"),
+    ("adamw_lr", 1e-3, " (did you mean 'lr'?)"),
+    ("beta1", 0.9, " (did you mean 'betas'?)"),
+    ("maximize", True, " (torch.optim's maximize option is not supported)"),
+    ("foreach", False, " (torch.optim's foreach option is not supported)"),
+    ("color", "red", ""),
+]
+UNKNOWN_IDS = [k for k, _, _ in UNKNOWN]
+
+
+def _unknown(key: str, where: str, hint: str) -> str:
+    return "^" + re.escape(f"Unknown key {key!r}{where}{hint}{ALLOWED}") + "$"
+
+
+@pytest.mark.parametrize(("key", "value", "hint"), UNKNOWN, ids=UNKNOWN_IDS)
+def test_unknown_group_key_at_construction(key: str, value: Any, hint: str) -> None:
+    with pytest.raises(ValueError, match=_unknown(key, " in param group 1", hint)):
+        muonkit.HybridMuon(
+            [{"params": [nn.Parameter(torch.randn(4, 4))]}, {"params": [nn.Parameter(torch.randn(4, 4))], key: value}]
+        )
+
+
+@pytest.mark.parametrize(("key", "value", "hint"), UNKNOWN, ids=UNKNOWN_IDS)
+def test_unknown_group_key_added_later_changes_nothing(key: str, value: Any, hint: str) -> None:
+    opt = muonkit.Muon([nn.Parameter(torch.randn(4, 4))])
+    with pytest.raises(ValueError, match=_unknown(key, " in param group 1", hint)):
+        opt.add_param_group({"params": [nn.Parameter(torch.randn(4, 4))], key: value})
+    assert len(opt.param_groups) == 1
+
+
+def test_unknown_keys_in_param_groups_options() -> None:
+    model = Tiny()
+    with pytest.raises(ValueError, match=_unknown("ns_step", " in muon_options", " (did you mean 'ns_steps'?)")):
+        muonkit.param_groups(model, muon_options={"ns_step": 3})
+    with pytest.raises(ValueError, match=_unknown("adjust_lr_fn", " in muon_options", " (did you mean 'adjust_lr'?)")):
+        muonkit.param_groups(model, muon_options={"adjust_lr_fn": "match_rms_adamw"})
+    # a setting of the other algorithm would be ignored by these groups: refused too
+    with pytest.raises(ValueError, match=_unknown("momentum", " in adamw_options", " ('momentum' is a Muon setting)")):
+        muonkit.param_groups(model, adamw_options={"momentum": 0.9})
+    with pytest.raises(ValueError, match=_unknown("betas", " in muon_options", " ('betas' is an AdamW setting)")):
+        muonkit.param_groups(model, muon_options={"betas": (0.9, 0.99)})
+
+
+@pytest.mark.parametrize(
+    ("options", "key", "hint"),
+    [
+        ({"ns_step": 3}, "ns_step", " (did you mean 'ns_steps'?)"),
+        ({"adjust_lr_fn": "x"}, "adjust_lr_fn", " (did you mean 'adjust_lr'?)"),
+    ],
+)
+def test_unknown_keys_in_make_optimizer(options: dict[str, Any], key: str, hint: str) -> None:
+    with pytest.raises(ValueError, match=_unknown(key, " among make_optimizer's Muon options", hint)):
+        make_optimizer(Tiny(), None, **options)
+
+
+@pytest.mark.parametrize(
+    ("value", "ours", "who"),
+    [
+        ("match_rms_adamw", "match_adamw", "torch.optim.Muon"),
+        ("original", "keller", "torch.optim.Muon"),
+        ("rms_norm", "match_adamw", "dion"),
+    ],
+)
+def test_adjust_lr_names_of_other_libraries_get_a_hint(value: str, ours: str, who: str) -> None:
+    message = (
+        f"Invalid adjust_lr={value!r}: must be one of ('keller', 'match_adamw', 'spectral', None) "
+        f"({who}'s {value!r} is {ours!r} here) in param group 0"
+    )
+    with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+        muonkit.HybridMuon([{"params": [nn.Parameter(torch.randn(4, 4))], "adjust_lr": value}])
+
+
+def test_scheduler_keys_are_accepted_before_and_after_construction() -> None:
+    model = Tiny()
+    opt = muonkit.HybridMuon(muonkit.param_groups(model))
+    torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=10)  # writes initial_lr, max_lr, momenta...
+    opt.param_groups[0]["note"] = "anything"  # keys written after construction are the writer's business
+    _loss(model).backward()
+    opt.step()
+    # groups copied from a scheduled optimizer carry the scheduler's keys: a new optimizer takes them
+    copied = [dict(g) for g in opt.param_groups]
+    del copied[0]["note"]
+    assert {"initial_lr", "max_lr", "min_lr", "max_momentum", "base_momentum"} <= set(copied[0])
+    muonkit.HybridMuon(copied).step()
