@@ -150,11 +150,15 @@ class ZeroStrategy(Strategy):
             self._plans[key] = plan_exchange(layout, costs, self.rank)
         return self._plans[key]
 
-    def all_finite(self, local_ok: Tensor) -> bool:
-        flag = local_ok.detach().to(torch.int32).reshape(1).clone()
-        self._count(2 * (self.world_size - 1) / self.world_size * flag.element_size())
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
-        return bool(flag.item())
+    def check_params(self, params: list[Tensor]) -> None:
+        for flat in params:
+            self.layout_of(flat)
+
+    def all_true(self, flags: Tensor) -> list[bool]:
+        t = flags.detach().to(torch.int32).reshape(-1).clone()
+        self._count(2 * (self.world_size - 1) / self.world_size * t.numel() * t.element_size())
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return [bool(x) for x in t.tolist()]
 
     def muon_directions(self, params: list[Tensor], updates: list[Tensor], config: MuonConfig) -> list[Tensor]:
         return [self._directions(p, u, config) for p, u in zip(params, updates, strict=True)]
