@@ -154,7 +154,7 @@ def test_a_strategy_refusing_params_raises_before_any_change(nonfinite: str) -> 
     opt.set_strategy(_Refusing())
     _grads(net, 1)
     before = _snapshot(net, opt)
-    with pytest.raises(RuntimeError, match="^refused$"):
+    with pytest.raises(RuntimeError, match=r"^refused$"):
         opt.step()
     _assert_same(before, _snapshot(net, opt))
 
