@@ -73,10 +73,13 @@ class HybridMuon(Optimizer):
             runs the plain iteration on squarer matrices; ``"newton_schulz"`` always iterates on
             ``X`` (what torch.optim.Muon does).
         adamw_lr, betas, adamw_eps, adamw_weight_decay: AdamW defaults.
-        nonfinite: what a non-finite gradient does. ``"skip"`` (default): the whole step is
-            skipped on every group and rank, a warning is logged and ``skipped_steps`` counts it;
-            costs one max-abs pass over the gradients and one host sync per step. ``"raise"``:
-            ``FloatingPointError`` before anything changes. ``"unchecked"``: no check, no cost.
+        nonfinite: what a non-finite gradient or Muon update (direction after orthogonalization,
+            e.g. from a diverging Newton-Schulz schedule) does. ``"skip"`` (default): the whole
+            step is skipped on every group and rank, a warning is logged and ``skipped_steps``
+            counts it; costs one norm pass over the gradients and directions, one host sync per
+            step, and holding every Muon direction until the verdict (one fp32 copy of the local
+            Muon params). ``"raise"``: ``FloatingPointError`` before anything changes.
+            ``"unchecked"``: no check; each chunk is applied as soon as it is computed.
         process_group: for DDP, the process group the gradients are averaged over.
         strategy: an explicit :class:`muonkit.distributed.Strategy` (advanced).
     """

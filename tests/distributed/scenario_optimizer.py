@@ -114,7 +114,7 @@ def a_non_finite_update_on_one_rank_skips_everywhere_in_one_agreement(ctx: Conte
         for step in range(STEPS):
             set_grads(params, ZOO, step)
             if step == INF_STEP:
-                before = snapshot(params, opt)
+                before = [{k: v.clone() for k, v in entry.items()} for entry in snapshot(params, opt)]
                 if ctx.rank == ctx.world_size - 1:
                     _poison_directions(opt)
             count = opt.strategy.stats.collectives
