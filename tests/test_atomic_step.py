@@ -296,3 +296,24 @@ def test_muon_update_then_momentum_equal_muon_momentum_bitwise(
         assert u.dtype == e.dtype and torch.equal(u, e)
     for b, e in zip(buffers, expected_buffers, strict=True):
         assert torch.equal(b, e)
+
+
+@pytest.mark.parametrize(("nonfinite", "streams"), [("skip", False), ("raise", False), ("unchecked", True)])
+def test_only_unchecked_applies_each_chunk_before_computing_the_next(
+    nonfinite: str, streams: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Checked steps hold every direction until the verdict; unchecked ones hold one chunk's."""
+    net, opt = _setup(nonfinite, max_chunk_elements=1)
+    _grads(net, 0)
+    first = net.a1.detach().clone()
+    seen: list[bool] = []
+    original = opt.strategy.muon_directions
+
+    def directions(params: list[Tensor], updates: list[Tensor], config: Any) -> list[Tensor]:
+        seen.append(not torch.equal(net.a1, first))
+        return original(params, updates, config)
+
+    monkeypatch.setattr(opt.strategy, "muon_directions", directions)
+    opt.step()
+    assert seen == [False, streams, streams]
+    assert not torch.equal(net.a1, first)

@@ -102,7 +102,7 @@ class Strategy(ABC):
 
         ``updates[i]`` is the local slice of the momentum update of ``params[i]``; the result
         has the same local shape. Each whole matrix is orthogonalized exactly once across ranks.
-        ``updates`` are fresh scratch tensors (:func:`muon_momentum_` returns new ones), so a
+        ``updates`` are fresh scratch tensors (:func:`muon_update` returns new ones), so a
         strategy may write the directions into them and return them, to save memory.
         """
 
