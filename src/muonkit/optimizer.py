@@ -10,7 +10,8 @@ from __future__ import annotations
 import functools
 import logging
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal, cast
 
 import torch
@@ -22,7 +23,7 @@ from muonkit.distributed import SingleDeviceStrategy, Strategy, select_strategy
 from muonkit.distributed.agreement import settings_of
 from muonkit.foreign_state import muonkit_group
 from muonkit.functional.adamw import adamw_
-from muonkit.functional.momentum import muon_momentum_
+from muonkit.functional.momentum import momentum_, muon_update
 from muonkit.functional.muon import muon_apply_
 from muonkit.shapes import full_shape
 
@@ -86,10 +87,13 @@ class HybridMuon(Optimizer):
             runs the plain iteration on squarer matrices; ``"newton_schulz"`` always iterates on
             ``X`` (what torch.optim.Muon does).
         adamw_lr, betas, adamw_eps, adamw_weight_decay: AdamW defaults.
-        nonfinite: what a non-finite gradient does. ``"skip"`` (default): the whole step is
-            skipped on every group and rank, a warning is logged and ``skipped_steps`` counts it;
-            costs one max-abs pass over the gradients and one host sync per step. ``"raise"``:
-            ``FloatingPointError`` before anything changes. ``"unchecked"``: no check, no cost.
+        nonfinite: what a non-finite gradient or Muon update (direction after orthogonalization,
+            e.g. from a diverging Newton-Schulz schedule) does. ``"skip"`` (default): the whole
+            step is skipped on every group and rank, a warning is logged and ``skipped_steps``
+            counts it; costs one norm pass over the gradients and directions, one host sync per
+            step, and holding every Muon direction until the verdict (one fp32 copy of the local
+            Muon params). ``"raise"``: ``FloatingPointError`` before anything changes.
+            ``"unchecked"``: no check; each chunk is applied as soon as it is computed.
         process_group: for DDP, the process group the gradients are averaged over.
         strategy: an explicit :class:`muonkit.distributed.Strategy` (advanced).
     """
@@ -182,28 +186,53 @@ class HybridMuon(Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """One optimization step on every group; returns the closure's loss if given."""
+        """One optimization step on every group; returns the closure's loss if given.
+
+        All or nothing: whatever is wrong with the groups, params, gradients or states raises
+        before anything changes, and unless ``nonfinite="unchecked"`` every update is computed
+        and checked (on every rank) before any is applied.
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         configs = [group_config(g, i) for i, g in enumerate(self.param_groups)]
-        for i, (config, group) in enumerate(zip(configs, self.param_groups, strict=True)):
-            if isinstance(config, MuonConfig):
-                _check_ns_dtype(config, group["params"], i)
-        work = [self._params_with_grad(g) for g in self.param_groups]
+        work = self._checked_work(configs)
         self.strategy.check_participation(
             [p.grad is not None for g in self.param_groups for p in g["params"]],
             functools.partial(settings_of, configs, self.param_groups, nonfinite=self.nonfinite),
         )
-        if not self._grads_ok([p for ps in work for p in ps]):
-            return loss
-        for config, params in zip(configs, work, strict=True):
+        chunks: list[Iterable[_MuonChunk]] = [
+            self._muon_chunks(params, config) if isinstance(config, MuonConfig) else []
+            for config, params in zip(configs, work, strict=True)
+        ]
+        if self.nonfinite != "unchecked":
+            # Two phases: every direction is computed (and held) before the verdict, so a
+            # non-finite one anywhere leaves everything untouched. Unchecked, each chunk is
+            # applied as soon as it is computed: the scratch memory of one chunk.
+            chunks = [list(c) for c in chunks]
+            if not self._finite_or_skip(work, cast(list[list[_MuonChunk]], chunks)):
+                return loss
+        for config, params, pending in zip(configs, work, chunks, strict=True):
             if isinstance(config, MuonConfig):
-                self._muon_step(params, config)
+                for chunk in pending:
+                    self._commit_muon(chunk, config)
             else:
                 self._adamw_step(params, cast(AdamWConfig, config))
         return loss
+
+    def _checked_work(self, configs: list[MuonConfig | AdamWConfig]) -> list[list[Tensor]]:
+        """The params each group steps, after every check a step could otherwise fail halfway."""
+        work = [self._params_with_grad(g) for g in self.param_groups]
+        for i, (config, group, params) in enumerate(zip(configs, self.param_groups, work, strict=True)):
+            if isinstance(config, MuonConfig):
+                if params:
+                    self.strategy.check_params(params)
+                shapes = [s for p in group["params"] for s in self.strategy.whole_shapes(p)]
+                _check_muon_params(group["params"], group, i, shapes=shapes)
+            for p in params:
+                _check_state_fits(self.state.get(p, {}), p, self.strategy.local, i)
+        return work
 
     def _params_with_grad(self, group: Mapping[str, Any]) -> list[Tensor]:
         params = [p for p in group["params"] if p.grad is not None]
@@ -217,40 +246,62 @@ class HybridMuon(Optimizer):
                 raise RuntimeError("HybridMuon does not support complex params or gradients")
         return params
 
-    def _grads_ok(self, params: list[Tensor]) -> bool:
-        if self.nonfinite == "unchecked" or not params:
+    def _finite_or_skip(self, work: list[list[Tensor]], chunks: list[list[_MuonChunk]]) -> bool:
+        """Whether to apply the step: every gradient and every Muon direction finite on every rank.
+
+        One agreement for both (one tiny all-reduce when distributed), one host read per device.
+        """
+        grads = [self.strategy.local(cast(Tensor, p.grad)) for params in work for p in params]
+        if not grads:
             return True
-        local = [self.strategy.local(cast(Tensor, p.grad)) for p in params]
-        nonempty = [g for g in local if g.numel() > 0]  # a rank may hold only empty shards (FSDP2)
-        if self.strategy.all_finite(_all_finite(nonempty)):
+        directions = [d for group in chunks for chunk in group for d in chunk.directions]
+        grads_ok, updates_ok = self.strategy.all_true(_all_finite([grads, directions]))
+        if grads_ok and updates_ok:
             return True
+        what = "gradient" if not grads_ok else "Muon update from finite gradients"
         if self.nonfinite == "raise":
-            raise FloatingPointError("non-finite gradient (inf or nan); nothing was updated")
+            raise FloatingPointError(f"non-finite {what} (inf or nan); nothing was updated")
         self.skipped_steps += 1
-        logger.warning("Skipping optimizer step: non-finite gradient (skipped so far: %d)", self.skipped_steps)
+        logger.warning("Skipping optimizer step: non-finite %s (skipped so far: %d)", what, self.skipped_steps)
         return False
 
     def _state_dtype(self, p: Tensor) -> torch.dtype:
         return p.dtype if p.dtype in (torch.float32, torch.float64) else torch.float32
 
-    def _muon_step(self, params: list[Tensor], config: MuonConfig) -> None:
+    def _muon_chunks(self, params: list[Tensor], config: MuonConfig) -> Iterator[_MuonChunk]:
+        """The directions of ``params``, chunk by chunk, computed without changing any state.
+
+        Chunks (one matrix shape at a time on one device) bound the scratch memory of computing
+        them (updates, compute batch) to that of the largest chunk, not of every matrix.
+        """
         if not params:
             return
         local = self.strategy.local
-        for p in params:
-            state = self.state[p]
-            if "momentum_buffer" not in state:
-                state["momentum_buffer"] = self.strategy.new_state(p, self._state_dtype(p))
-        # Chunk by chunk (one matrix shape at a time on one device): the step's scratch memory
-        # (updates, compute batch, directions) is that of the largest chunk, not of every matrix.
         for chunk in self.strategy.muon_chunks(params, config):
             group = [params[i] for i in chunk]
-            buffers = [local(self.state[p]["momentum_buffer"]) for p in group]
+            buffers = [self._momentum_buffer(p) for p in group]
             grads = [local(cast(Tensor, p.grad)) for p in group]
-            updates = muon_momentum_(buffers, grads, momentum=config.momentum, nesterov=config.nesterov)
+            updates = muon_update(
+                [local(b) for b in buffers], grads, momentum=config.momentum, nesterov=config.nesterov
+            )
             directions = self.strategy.muon_directions(group, updates, config)
             del updates
-            muon_apply_([local(p) for p in group], directions, lr=config.lr, weight_decay=config.weight_decay)
+            yield _MuonChunk(group, buffers, directions)
+
+    def _momentum_buffer(self, p: Tensor) -> Tensor:
+        """``p``'s momentum buffer, or a new zero one (stored only when the step commits)."""
+        buffer = self.state.get(p, {}).get("momentum_buffer")
+        return self.strategy.new_state(p, self._state_dtype(p)) if buffer is None else buffer
+
+    def _commit_muon(self, chunk: _MuonChunk, config: MuonConfig) -> None:
+        """Store and advance the momentum the directions were computed from, then apply them."""
+        local = self.strategy.local
+        for p, buffer in zip(chunk.params, chunk.buffers, strict=True):
+            self.state[p]["momentum_buffer"] = buffer
+        grads = [local(cast(Tensor, p.grad)) for p in chunk.params]
+        momentum_([local(b) for b in chunk.buffers], grads, momentum=config.momentum)
+        muon_apply_([local(p) for p in chunk.params], chunk.directions, lr=config.lr, weight_decay=config.weight_decay)
+        chunk.directions.clear()  # free them now, not when the next chunk replaces this one
 
     def _adamw_step(self, params: list[Tensor], config: AdamWConfig) -> None:
         if not params:
@@ -367,27 +418,59 @@ class HybridMuon(Optimizer):
         return {**state_dict, "param_groups": groups}
 
 
-def _all_finite(tensors: list[Tensor]) -> Tensor:
-    """Whether every element of every tensor is finite, as a CPU bool tensor.
+@dataclass
+class _MuonChunk:
+    """One chunk of a Muon step, computed but not applied."""
+
+    params: list[Tensor]
+    buffers: list[Tensor]
+    """Their momentum buffers before the step (new zero ones are not in the state yet)."""
+    directions: list[Tensor]
+    """Local slices of ``scale * orthogonalize(U)``, ``U`` computed from ``buffers``."""
+
+
+def _all_finite(lists: Sequence[Sequence[Tensor]]) -> Tensor:
+    """For each list of tensors, whether every element of every tensor is finite: a CPU bool vector.
 
     The fast path is one fused L2 norm per tensor (finite iff the tensor is, unless its sum of
-    squares overflows, e.g. values above ~1e19), one stack and one host read per device. Only when
-    that says "non-finite" does the exact check run (min and max per tensor), so a finite but huge
-    gradient is never mistaken for inf. ``_foreach_norm(ord=inf)`` would be exact in one pass but
-    is ~100x slower on CPU.
+    squares overflows, e.g. values above ~1e19) and one host read per device for all lists. Only
+    a list that this calls non-finite gets the exact check (min and max per tensor), so a finite
+    but huge tensor is never mistaken for inf. ``_foreach_norm(ord=inf)`` would be exact in one
+    pass but is ~100x slower on CPU. Empty tensors (a rank's empty FSDP2 shards) are finite.
     """
-    if not tensors:
-        return torch.tensor(True)
-    if _finite_by_device(torch._foreach_norm(tensors)):
-        return torch.tensor(True)
-    return torch.tensor(_finite_by_device([x for t in tensors for x in torch.aminmax(t)]))
+    nonempty = [[t for t in ts if t.numel() > 0] for ts in lists]
+    ok = _finite_by_device([torch._foreach_norm(ts) if ts else [] for ts in nonempty])
+    for k, ts in enumerate(nonempty):
+        if not ok[k]:
+            ok[k] = _finite_by_device([[x for t in ts for x in torch.aminmax(t)]])[0]
+    return torch.tensor(ok)
 
 
-def _finite_by_device(scalars: Sequence[Tensor]) -> bool:
-    by_device: dict[torch.device, list[Tensor]] = {}
-    for x in scalars:
-        by_device.setdefault(x.device, []).append(x)
-    return all(bool(torch.stack(xs).isfinite().all()) for xs in by_device.values())
+def _finite_by_device(lists: Sequence[Sequence[Tensor]]) -> list[bool]:
+    """For each list of scalar tensors, whether all are finite; one host read per device."""
+    by_device: dict[torch.device, list[tuple[int, Tensor]]] = {}
+    for k, xs in enumerate(lists):
+        for x in xs:
+            by_device.setdefault(x.device, []).append((k, x))
+    ok = [True] * len(lists)
+    for pairs in by_device.values():
+        finite = torch.stack([x for _, x in pairs]).isfinite().tolist()
+        for (k, _), f in zip(pairs, finite, strict=True):
+            ok[k] = ok[k] and f
+    return ok
+
+
+def _check_state_fits(state: Mapping[str, Any], p: Tensor, local: Callable[[Tensor], Tensor], group: int) -> None:
+    """A param whose shape or device changed after it got state (or whose grad does not fit it) raises."""
+    shape, device = tuple(local(p).shape), p.device
+    named = {"grad": cast(Tensor, p.grad)} | {k: v for k, v in state.items() if isinstance(v, Tensor) and v.ndim > 0}
+    for key, value in named.items():
+        if tuple(local(value).shape) != shape or value.device != device:
+            raise ValueError(
+                f"A param of shape {tuple(p.shape)} on {device} in param group {group} has a {key} of shape "
+                f"{tuple(value.shape)} on {value.device}: a param's shape and device must not change once the "
+                "optimizer has state for it (load a state_dict made for the new param, or build a new optimizer)"
+            )
 
 
 def _tensors_and_names(params: Any, index: int) -> tuple[list[Tensor], list[str] | None]:

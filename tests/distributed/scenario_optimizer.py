@@ -14,6 +14,8 @@ Newton-Schulz dtypes, fp32 and bf16, whatever the CPU supports.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from common import (
@@ -22,11 +24,13 @@ from common import (
     all_sum,
     build,
     differences,
+    differences_to,
     matrix_count,
     mesh,
     rank_differences,
     set_grads,
     shard,
+    snapshot,
 )
 from harness import Context, check
 from torch import nn
@@ -78,7 +82,7 @@ def sum_rows_before(p: nn.Parameter, ctx: Context) -> int:
 def ddp_matches_single_device(ctx: Context) -> None:
     problems, counted = _run("ddp", ctx, ZOO)
     assert not problems, "\n".join(problems)
-    expected = [0 if s == INF_STEP else matrix_count(ZOO, s) for s in range(STEPS)]
+    expected = [matrix_count(ZOO, s) for s in range(STEPS)]  # a skipped step computes, then discards
     assert counted == expected, f"matrices orthogonalized per step over all ranks {counted}, expected {expected}"
 
 
@@ -86,8 +90,45 @@ def ddp_matches_single_device(ctx: Context) -> None:
 def fsdp2_matches_single_device(ctx: Context) -> None:
     problems, counted = _run("fsdp", ctx, ZOO)
     assert not problems, "\n".join(problems)
-    expected = [0 if s == INF_STEP else matrix_count(ZOO, s) for s in range(STEPS)]
+    expected = [matrix_count(ZOO, s) for s in range(STEPS)]  # a skipped step computes, then discards
     assert counted == expected, f"matrices orthogonalized per step over all ranks {counted}, expected {expected}"
+
+
+def _poison_directions(opt: muonkit.HybridMuon) -> None:
+    """The next step's first non-empty local direction gets an inf (this rank only)."""
+    original = opt.strategy.muon_directions
+
+    def directions(params: list[torch.Tensor], updates: list[torch.Tensor], config: Any) -> list[torch.Tensor]:
+        out = original(params, updates, config)
+        hit = next((d for d in out if d.numel() > 0), None)
+        if hit is not None:
+            hit.view(-1)[0] = float("inf")
+            opt.strategy.muon_directions = original  # type: ignore[method-assign]
+        return out
+
+    opt.strategy.muon_directions = directions  # type: ignore[method-assign]
+
+
+@check(2, 4)
+def a_non_finite_update_on_one_rank_skips_everywhere_in_one_agreement(ctx: Context) -> None:
+    """Only the last rank sees it: every rank skips (all bit-identical), at a normal step's collectives."""
+    for layout in ("ddp", "fsdp"):
+        params, opt = build(layout, ZOO)
+        collectives = []
+        for step in range(STEPS):
+            set_grads(params, ZOO, step)
+            if step == INF_STEP:
+                before = [{k: v.clone() for k, v in entry.items()} for entry in snapshot(params, opt)]
+                if ctx.rank == ctx.world_size - 1:
+                    _poison_directions(opt)
+            count = opt.strategy.stats.collectives
+            opt.step()
+            collectives.append(opt.strategy.stats.collectives - count)
+            if step == INF_STEP:
+                problems = differences_to(snapshot(params, opt), before)
+                assert not problems, f"{layout}: " + "\n".join(problems)
+        assert opt.skipped_steps == 1, (layout, opt.skipped_steps)
+        assert collectives[INF_STEP] == collectives[0], f"{layout}: collectives per step {collectives}"
 
 
 @check(2, 4)

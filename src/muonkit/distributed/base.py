@@ -56,7 +56,11 @@ class Strategy(ABC):
 
     def all_finite(self, local_ok: Tensor) -> bool:
         """Whether every rank's gradients are finite, given this rank's verdict (bool tensor)."""
-        return bool(local_ok.item())
+        return self.all_true(local_ok)[0]
+
+    def all_true(self, flags: Tensor) -> list[bool]:
+        """Each of this rank's few verdicts (a bool tensor) AND-ed over every rank, in one collective."""
+        return [bool(f) for f in flags.reshape(-1).tolist()]
 
     def whole_shapes(self, param: Tensor) -> list[tuple[int, ...]]:
         """Shapes of the whole tensors a param of the optimizer stands for (for validation).
@@ -79,6 +83,14 @@ class Strategy(ABC):
         """
         del has_grad, settings
 
+    def check_params(self, params: list[Tensor]) -> None:
+        """Raise on Muon params this strategy cannot step, before ``step()`` changes anything.
+
+        Everything :meth:`muon_chunks` and :meth:`muon_directions` would reject must be rejected
+        here (the optimizer checks each matrix layout against :meth:`whole_shapes` itself).
+        """
+        del params
+
     def muon_chunks(self, params: list[Tensor], config: MuonConfig) -> list[list[int]]:
         """Indices of the params to step together, chunk after chunk.
 
@@ -95,7 +107,7 @@ class Strategy(ABC):
 
         ``updates[i]`` is the local slice of the momentum update of ``params[i]``; the result
         has the same local shape. Each whole matrix is orthogonalized exactly once across ranks.
-        ``updates`` are fresh scratch tensors (:func:`muon_momentum_` returns new ones), so a
+        ``updates`` are fresh scratch tensors (:func:`muon_update` returns new ones), so a
         strategy may write the directions into them and return them, to save memory.
         """
 

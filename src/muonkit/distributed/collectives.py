@@ -123,11 +123,11 @@ class Collectives:
         self._count(2 * (self.world_size - 1) / self.world_size * t.numel() * t.element_size())
         dist.all_reduce(t, op=op, group=self.group)
 
-    def all_ranks_true(self, flag: Tensor) -> bool:
-        """Whether a boolean is true on every rank (one tiny all_reduce MIN)."""
-        t = flag.detach().to(device=flag_device(self.group), dtype=torch.int32).reshape(1).clone()
+    def all_ranks_true(self, flags: Tensor) -> list[bool]:
+        """Whether each of a few booleans is true on every rank (one tiny all_reduce MIN)."""
+        t = flags.detach().to(device=flag_device(self.group), dtype=torch.int32).reshape(-1).clone()
         self.all_reduce(t, op=dist.ReduceOp.MIN)
-        return bool(t.item())
+        return [bool(x) for x in t.tolist()]
 
     def check_agreement(self, settings: Sequence[agreement.Setting], has_grad: Sequence[bool]) -> None:
         """Raise on every rank (never hang) unless all ranks hold the same settings and gradient

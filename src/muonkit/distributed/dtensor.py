@@ -136,8 +136,8 @@ class DTensorStrategy(Strategy):
     def new_state(self, param: Tensor, dtype: torch.dtype) -> Tensor:
         return torch.zeros_like(param, dtype=dtype)  # a DTensor with the param's mesh and placements
 
-    def all_finite(self, local_ok: Tensor) -> bool:
-        return self.comm.all_ranks_true(local_ok)
+    def all_true(self, flags: Tensor) -> list[bool]:
+        return self.comm.all_ranks_true(flags)
 
     def check_participation(self, has_grad: Sequence[bool], settings: Callable[[], Sequence[Setting]] = list) -> None:
         self.comm.check_agreement([*settings(), Setting("strategy", self.name)], has_grad)
@@ -189,16 +189,20 @@ class DTensorStrategy(Strategy):
             out[i].mul_(scale)
         return out
 
+    def check_params(self, params: list[Tensor]) -> None:
+        for param in params:
+            if not isinstance(param, DTensor):
+                raise ValueError(
+                    f"{type(self).__name__} needs DTensor params; got a plain tensor of shape {tuple(param.shape)}"
+                )
+            if param.device_mesh != self.mesh or tuple(param.placements) != (Shard(0),):
+                raise ValueError(
+                    f"Invalid DTensor param of shape {tuple(param.shape)}: placements {param.placements} on "
+                    f"{param.device_mesh!r}; HybridMuon needs (Shard(0),) on {self.mesh!r} (FSDP2's default)"
+                )
+
     def _plan(self, param: Tensor, update: Tensor, config: MuonConfig) -> _Plan:
-        if not isinstance(param, DTensor):
-            raise ValueError(
-                f"{type(self).__name__} needs DTensor params; got a plain tensor of shape {tuple(param.shape)}"
-            )
-        if param.device_mesh != self.mesh or tuple(param.placements) != (Shard(0),):
-            raise ValueError(
-                f"Invalid DTensor param of shape {tuple(param.shape)}: placements {param.placements} on "
-                f"{param.device_mesh!r}; HybridMuon needs (Shard(0),) on {self.mesh!r} (FSDP2's default)"
-            )
+        self.check_params([param])
         shape = tuple(param.shape)
         sizes = dim0_sizes(shape[0], self.comm.world_size)
         if math.prod(shape) == 0:  # empty directions, nothing to send (FSDP2 shards it as (0, 0) everywhere)

@@ -91,8 +91,8 @@ class ReplicatedStrategy(Strategy):
         super().__init__()
         self.comm = Collectives(group_of(process_group), self.stats)
 
-    def all_finite(self, local_ok: Tensor) -> bool:
-        return self.comm.all_ranks_true(local_ok)
+    def all_true(self, flags: Tensor) -> list[bool]:
+        return self.comm.all_ranks_true(flags)
 
     def check_participation(self, has_grad: Sequence[bool], settings: Callable[[], Sequence[Setting]] = list) -> None:
         self.comm.check_agreement([*settings(), Setting("strategy", self.name)], has_grad)

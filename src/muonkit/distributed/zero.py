@@ -154,8 +154,12 @@ class ZeroStrategy(Strategy):
             self._plans[key] = plan_exchange(layout, costs, self.rank)
         return self._plans[key]
 
-    def all_finite(self, local_ok: Tensor) -> bool:
-        return self.comm.all_ranks_true(local_ok)
+    def check_params(self, params: list[Tensor]) -> None:
+        for flat in params:
+            self.layout_of(flat)
+
+    def all_true(self, flags: Tensor) -> list[bool]:
+        return self.comm.all_ranks_true(flags)
 
     def check_participation(self, has_grad: Sequence[bool], settings: Callable[[], Sequence[Setting]] = list) -> None:
         self.comm.check_agreement([*settings(), Setting("strategy", self.name)], has_grad)

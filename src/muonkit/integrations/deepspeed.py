@@ -184,12 +184,20 @@ class _Unbound(Strategy):
         del param  # a flat partition DeepSpeed loads a checkpoint into before install(): not known yet
         return []
 
+    def check_params(self, params: list[Tensor]) -> None:
+        del params
+        raise RuntimeError(_NOT_SET_UP)
+
     def muon_directions(self, params: list[Tensor], updates: list[Tensor], config: MuonConfig) -> list[Tensor]:
-        raise RuntimeError(
-            "This HybridMuon was built for DeepSpeed but never set up: create the engine with "
-            "muonkit.integrations.deepspeed.initialize, or call muonkit.integrations.deepspeed.install(engine) "
-            "right after deepspeed.initialize"
-        )
+        del params, updates, config
+        raise RuntimeError(_NOT_SET_UP)
+
+
+_NOT_SET_UP = (
+    "This HybridMuon was built for DeepSpeed but never set up: create the engine with "
+    "muonkit.integrations.deepspeed.initialize, or call muonkit.integrations.deepspeed.install(engine) "
+    "right after deepspeed.initialize"
+)
 
 
 # ---------------------------------------------------------------------------------------------
