@@ -207,7 +207,7 @@ def zero_size_params_step_as_a_no_op(ctx: Context) -> None:
             set_grads(ref_params, ZERO_SIZE_ZOO, step)
             opt.step()
             ref_opt.step()
-        problems = differences(params, opt, ref_params, ref_opt)
+        problems = differences(params, opt, ref_params, ref_opt, ZERO_SIZE_ZOO)
         assert not problems, f"{layout}: " + "\n".join(problems)
         for p, spec in zip(params, ZERO_SIZE_ZOO, strict=True):
             for key, value in opt.state[p].items():
@@ -253,7 +253,9 @@ def fully_shard_zero_size_params_step_and_init_their_state(ctx: Context) -> None
             ref_opt.step()
         # full_tensor() cannot gather FSDP2's (0, 0) shards (torch 2.13): the empty ones by shape
         kept = [i for i, p in enumerate(params) if p.numel()]
-        problems = differences([params[i] for i in kept], opt, [ref_params[i] for i in kept], ref_opt)
+        problems = differences(
+            [params[i] for i in kept], opt, [ref_params[i] for i in kept], ref_opt, [ZERO_SIZE_ZOO[i] for i in kept]
+        )
         assert not problems, "\n".join(problems)
         for p, spec in zip(params, ZERO_SIZE_ZOO, strict=True):
             shapes = {k: tuple(v.shape) for k, v in opt.state[p].items() if k != "step"}
