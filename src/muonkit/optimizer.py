@@ -82,8 +82,8 @@ class HybridMuon(Optimizer):
             ``split_sizes`` splits each matrix along its rows (fused QKV).
         ns_dtype: compute dtype of Newton-Schulz (default: bf16 where fast, else fp32).
         ns_method: ``"gram"`` (default) iterates on the small Gram matrix ``X X^T`` wherever the
-            aspect ratio is >= 2 (the same polynomial, fewer FLOPs: 1.4-1.5x faster on GPT-2's
-            768x2304 and 768x3072 in bf16 here, at the same distance to the polar factor) and
+            aspect ratio is >= 2 and the compute dtype is fp32/fp64 (the same polynomial, fewer
+            FLOPs; figures in BENCHMARKS.md; bf16/fp16 always run the plain iteration) and
             runs the plain iteration on squarer matrices; ``"newton_schulz"`` always iterates on
             ``X`` (what torch.optim.Muon does).
         adamw_lr, betas, adamw_eps, adamw_weight_decay: AdamW defaults.
