@@ -205,6 +205,21 @@ def differences(
     return problems
 
 
+def train_beside_single(
+    layout: str, zoo: Sequence[ParamSpec], steps: int
+) -> tuple[list[nn.Parameter], muonkit.HybridMuon, list[str]]:
+    """``steps`` steps of ``layout`` and of the single-device control on the same gradients:
+    the layout's params and optimizer, and the :func:`differences` between the two."""
+    params, opt = build(layout, zoo)
+    ref_params, ref_opt = build("single", zoo)
+    for step in range(steps):
+        set_grads(params, zoo, step)
+        set_grads(ref_params, zoo, step)
+        opt.step()
+        ref_opt.step()
+    return params, opt, differences(params, opt, ref_params, ref_opt, zoo)
+
+
 def rank_differences(params: Sequence[Tensor]) -> list[str]:
     """The params (whole on every rank) that are not bit-identical on all ranks (collective)."""
     flat = torch.cat([p.detach().float().reshape(-1) for p in params])

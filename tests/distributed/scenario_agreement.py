@@ -28,6 +28,7 @@ from common import (
     group_dicts,
     set_grads,
     snapshot,
+    train_beside_single,
 )
 from harness import Context, check
 from torch import nn
@@ -200,14 +201,7 @@ ZERO_SIZE_ZOO = [
 @check(1, 2, 4)
 def zero_size_params_step_as_a_no_op(ctx: Context) -> None:
     for layout in ("ddp", "fsdp"):
-        params, opt = build(layout, ZERO_SIZE_ZOO)
-        ref_params, ref_opt = build("single", ZERO_SIZE_ZOO)
-        for step in range(3):
-            set_grads(params, ZERO_SIZE_ZOO, step)
-            set_grads(ref_params, ZERO_SIZE_ZOO, step)
-            opt.step()
-            ref_opt.step()
-        problems = differences(params, opt, ref_params, ref_opt, ZERO_SIZE_ZOO)
+        params, opt, problems = train_beside_single(layout, ZERO_SIZE_ZOO, 3)
         assert not problems, f"{layout}: " + "\n".join(problems)
         for p, spec in zip(params, ZERO_SIZE_ZOO, strict=True):
             for key, value in opt.state[p].items():

@@ -31,6 +31,7 @@ from common import (
     set_grads,
     shard,
     snapshot,
+    train_beside_single,
 )
 from harness import Context, check
 from torch import nn
@@ -148,14 +149,7 @@ def work_is_spread_and_counted(ctx: Context) -> None:
 def a_rank_that_owns_no_matrix(ctx: Context) -> None:
     zoo = [ParamSpec("muon", (2, 8)), ParamSpec("adamw", (2,)), ParamSpec("adamw", (6, 3))]
     for layout in ("ddp", "fsdp"):
-        params, opt = build(layout, zoo)
-        ref_params, ref_opt = build("single", zoo)
-        for step in range(3):
-            set_grads(params, zoo, step)
-            set_grads(ref_params, zoo, step)
-            opt.step()
-            ref_opt.step()
-        problems = differences(params, opt, ref_params, ref_opt, zoo)
+        params, opt, problems = train_beside_single(layout, zoo, 3)
         problems += rank_differences(params) if layout == "ddp" else []
         assert not problems, f"{layout}: " + "\n".join(problems)
         owners = all_sum(int(opt.strategy.stats.matrices > 0))
