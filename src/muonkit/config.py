@@ -55,7 +55,8 @@ ADJUST_LR_ALIASES = {
     "original": ("keller", "torch.optim.Muon"), "match_rms_adamw": ("match_adamw", "torch.optim.Muon"),
     "rms_norm": ("match_adamw", "dion"), "spectral_norm": ("spectral", "dion"),
 }  # fmt: skip
-_UNSUPPORTED = ("amsgrad", "maximize", "foreach", "fused", "capturable", "differentiable", "decoupled_weight_decay")
+# torch.optim options muonkit does not implement (group keys and keys of torch.optim.AdamW state)
+TORCH_ONLY_KEYS = ("amsgrad", "maximize", "foreach", "fused", "capturable", "differentiable", "decoupled_weight_decay")
 
 
 @dataclass(frozen=True)
@@ -183,7 +184,7 @@ def check_group_keys(group: Mapping[str, Any], where: str = "", *, allowed: Sequ
 def _key_hint(key: Any, allowed: Sequence[str]) -> str:
     if not isinstance(key, str):
         return ""
-    if key in _UNSUPPORTED:
+    if key in TORCH_ONLY_KEYS:
         return f" (torch.optim's {key} option is not supported)"
     if key in KEY_ALIASES and KEY_ALIASES[key] in allowed:
         return f" (did you mean {KEY_ALIASES[key]!r}?)"

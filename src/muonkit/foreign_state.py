@@ -25,12 +25,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from muonkit.config import TORCH_ONLY_KEYS
+
 __all__ = ["muonkit_group"]
 
 # Keys any torch.optim group may carry: torch's own and those of torch's LR schedulers.
 _GENERIC = {"params", "param_names", "initial_lr", "max_lr", "min_lr", "base_momentum", "max_momentum"}
 _ADAMW_KEYS = {"lr", "betas", "eps", "weight_decay"}
-_ADAMW_FLAGS = {"amsgrad", "maximize", "decoupled_weight_decay", "foreach", "fused", "capturable", "differentiable"}
+_ADAMW_FLAGS = set(TORCH_ONLY_KEYS)
 _MUON_KEYS = {"lr", "weight_decay", "momentum", "nesterov", "ns_coefficients", "eps", "ns_steps"}
 _ADJUST_LR = {None: "keller", "original": "keller", "match_rms_adamw": "match_adamw"}
 
