@@ -5,6 +5,7 @@ wins), explain() totals match a hand count, and param_groups() trains with Hybri
 
 from __future__ import annotations
 
+import copy
 import re
 from typing import Any
 
@@ -215,8 +216,32 @@ def test_param_groups_options_override_the_keywords(models: dict[str, nn.Module]
     )
     muon = next(g for g in groups if g["algorithm"] == "muon")
     adamw = next(g for g in groups if g["algorithm"] == "adamw")
-    assert (muon["weight_decay"], muon["adjust_lr"], muon["lr"]) == (0.0, "match_adamw", 0.02)
+    assert (muon["weight_decay"], muon["adjust_lr"]) == (0.0, "match_adamw")
     assert (adamw["lr"], adamw["betas"]) == (1e-3, (0.9, 0.99))
+    assert "lr" not in muon and "weight_decay" not in adamw  # not passed: the optimizer's defaults apply
+
+
+def test_param_groups_leave_unpassed_hyperparameters_to_the_optimizer(models: dict[str, nn.Module]) -> None:
+    """Groups carry the routing and what the caller passed; the optimizer's keywords apply to the rest."""
+    model = copy.deepcopy(models["llama"])  # stepped below: leave the shared fixture alone
+    groups = muonkit.param_groups(model)
+    assert {k for g in groups for k in g} == {"params", "param_names", "algorithm", "layout", "split_sizes"}
+    opt = muonkit.HybridMuon(groups, lr=0.05, adamw_lr=1e-3, weight_decay=0.1, adamw_weight_decay=0.01)
+    seen = {(g["algorithm"], g["lr"], g["weight_decay"]) for g in opt.param_groups}
+    assert seen == {("muon", 0.05, 0.1), ("adamw", 1e-3, 0.01)}
+    # and the step uses them: the same step as groups that carry these values themselves
+    twin = copy.deepcopy(model)
+    explicit = muonkit.param_groups(twin, lr=0.05, adamw_lr=1e-3, weight_decay=0.1, adamw_weight_decay=0.01)
+    twin_opt = muonkit.HybridMuon(explicit)
+    for m, o in ((model, opt), (twin, twin_opt)):
+        for p in m.parameters():
+            p.grad = torch.ones_like(p)
+        o.step()
+    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(p, q)
+    muon_only = [g for g in muonkit.param_groups(model) if g["algorithm"] == "muon"]
+    torch_style = muonkit.Muon(muon_only)  # torch.optim.Muon's lr=1e-3 and weight_decay=0.1, not 0.02 and 0
+    assert {(g["lr"], g["weight_decay"]) for g in torch_style.param_groups} == {(1e-3, 0.1)}
 
 
 def _batch(kind: str) -> tuple[tuple[Any, ...], dict[str, Any]]:

@@ -1,7 +1,7 @@
 """muonkit: the Muon optimizer as a drop-in, correct and fast replacement for AdamW.
 
     import muonkit
-    opt = muonkit.HybridMuon(muonkit.param_groups(model, lr=0.02, adamw_lr=3e-4))
+    opt = muonkit.HybridMuon(muonkit.param_groups(model), lr=0.02, adamw_lr=3e-4)
     print(muonkit.explain(model))
 
 Layers (imports flow one way): ``integrations``, ``cli``, ``bench`` -> ``optimizer`` ->

@@ -18,7 +18,15 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from muonkit.config import AdamWConfig, MuonConfig, check_group_keys, group_config, plain_hyperparameters
+from muonkit.config import (
+    DEFAULTS,
+    TORCH_MUON_DEFAULTS,
+    AdamWConfig,
+    MuonConfig,
+    check_group_keys,
+    group_config,
+    plain_hyperparameters,
+)
 from muonkit.distributed import SingleDeviceStrategy, Strategy, select_strategy
 from muonkit.distributed.agreement import settings_of
 from muonkit.foreign_state import muonkit_group
@@ -41,7 +49,7 @@ class HybridMuon(Optimizer):
     hyperparameter. Build the groups with :func:`muonkit.param_groups`, which routes a model by its
     structure::
 
-        opt = muonkit.HybridMuon(muonkit.param_groups(model, lr=0.02, adamw_lr=3e-4))
+        opt = muonkit.HybridMuon(muonkit.param_groups(model), lr=0.02, adamw_lr=3e-4)
 
     Muon groups, for a weight ``W`` with gradient ``G`` (``rows x cols``, PyTorch layout)::
 
@@ -102,23 +110,23 @@ class HybridMuon(Optimizer):
         self,
         params: Iterable[Any],
         *,
-        lr: float = 0.02,
-        momentum: float = 0.95,
-        nesterov: bool = True,
-        ns_coefficients: str | Sequence[Sequence[float]] = "polar_express",
-        ns_steps: int | None = None,
-        eps: float = 1e-7,
-        weight_decay: float = 0.0,
-        adjust_lr: str | None = "keller",
-        layout: str = "auto",
-        split_sizes: Sequence[int] | None = None,
-        ns_dtype: torch.dtype | None = None,
-        ns_method: str = "gram",
-        adamw_lr: float = 3e-4,
-        betas: tuple[float, float] = (0.9, 0.95),
-        adamw_eps: float = 1e-8,
-        adamw_weight_decay: float = 0.0,
-        nonfinite: NonFinite = "skip",
+        lr: float = DEFAULTS.lr,
+        momentum: float = DEFAULTS.momentum,
+        nesterov: bool = DEFAULTS.nesterov,
+        ns_coefficients: str | Sequence[Sequence[float]] = DEFAULTS.ns_coefficients,
+        ns_steps: int | None = DEFAULTS.ns_steps,
+        eps: float = DEFAULTS.eps,
+        weight_decay: float = DEFAULTS.weight_decay,
+        adjust_lr: str | None = DEFAULTS.adjust_lr,
+        layout: str = DEFAULTS.layout,
+        split_sizes: Sequence[int] | None = DEFAULTS.split_sizes,
+        ns_dtype: torch.dtype | None = DEFAULTS.ns_dtype,
+        ns_method: str = DEFAULTS.ns_method,
+        adamw_lr: float = DEFAULTS.adamw_lr,
+        betas: tuple[float, float] = DEFAULTS.betas,
+        adamw_eps: float = DEFAULTS.adamw_eps,
+        adamw_weight_decay: float = DEFAULTS.adamw_weight_decay,
+        nonfinite: NonFinite = DEFAULTS.nonfinite,
         process_group: Any | None = None,
         strategy: Strategy | None = None,
     ) -> None:
@@ -621,13 +629,15 @@ class Muon(HybridMuon):
     def __init__(
         self,
         params: Iterable[Any],
-        lr: float = 1e-3,
-        weight_decay: float = 0.1,
-        momentum: float = 0.95,
-        nesterov: bool = True,
-        ns_coefficients: str | Sequence[Sequence[float]] | tuple[float, float, float] = (3.4445, -4.7750, 2.0315),
-        eps: float = 1e-7,
-        ns_steps: int = 5,
+        lr: float = TORCH_MUON_DEFAULTS.lr,
+        weight_decay: float = TORCH_MUON_DEFAULTS.weight_decay,
+        momentum: float = TORCH_MUON_DEFAULTS.momentum,
+        nesterov: bool = TORCH_MUON_DEFAULTS.nesterov,
+        ns_coefficients: str | Sequence[Sequence[float]] | tuple[float, float, float] = (
+            TORCH_MUON_DEFAULTS.ns_coefficients
+        ),
+        eps: float = TORCH_MUON_DEFAULTS.eps,
+        ns_steps: int | None = TORCH_MUON_DEFAULTS.ns_steps,
         adjust_lr_fn: str | None = None,
         **kwargs: Any,
     ) -> None:

@@ -1,7 +1,7 @@
 """Model -> HybridMuon param groups, and a printable explanation of the routing.
 
-groups = muonkit.param_groups(model, lr=0.02, adamw_lr=3e-4, weight_decay=0.01)
-opt = muonkit.HybridMuon(groups)
+groups = muonkit.param_groups(model)
+opt = muonkit.HybridMuon(groups, lr=0.02, adamw_lr=3e-4, weight_decay=0.01)
 print(muonkit.explain(model))
 """
 
@@ -20,10 +20,10 @@ from muonkit.routing import STATE_BYTES, Route, RuleLike, route
 def param_groups(
     model: nn.Module,
     *,
-    lr: float = 0.02,
-    adamw_lr: float = 3e-4,
-    weight_decay: float = 0.0,
-    adamw_weight_decay: float = 0.0,
+    lr: float | None = None,
+    adamw_lr: float | None = None,
+    weight_decay: float | None = None,
+    adamw_weight_decay: float | None = None,
     rules: Sequence[RuleLike] | Mapping[str, str] | None = None,
     split_qkv: bool = False,
     muon_options: Mapping[str, Any] | None = None,
@@ -31,64 +31,64 @@ def param_groups(
 ) -> list[dict[str, Any]]:
     """Param groups for :class:`muonkit.HybridMuon`, routed by model structure.
 
-    One group per (algorithm, layout, split): Muon groups get ``lr`` and ``weight_decay``, AdamW
-    groups ``adamw_lr`` and ``adamw_weight_decay``. ``muon_options`` / ``adamw_options`` add any
-    other group key (``adjust_lr``, ``ns_steps``... / ``betas``, ``eps``); an unknown key is an
-    error. Each group also carries ``param_names``.
+    One group per (algorithm, layout, split). A group carries what routing decides (``algorithm``,
+    ``layout``, ``split_sizes``, ``param_names``) and only the hyperparameters passed here: Muon
+    groups ``lr`` and ``weight_decay``, AdamW groups ``adamw_lr`` and ``adamw_weight_decay`` (as
+    ``lr`` and ``weight_decay``), and ``muon_options`` / ``adamw_options`` (any other group key:
+    ``adjust_lr``, ``ns_steps``... / ``betas``, ``eps``; an unknown key is an error). Everything
+    else comes from the optimizer's defaults, so
+    ``HybridMuon(param_groups(model), lr=0.05, adamw_lr=1e-3)`` trains at 0.05 and 1e-3.
     See :mod:`muonkit.routing` for the rules; ``rules`` are checked first.
     """
     check_group_keys(muon_options or {}, " in muon_options", allowed=MUON_KEYS)
     check_group_keys(adamw_options or {}, " in adamw_options", allowed=ADAMW_KEYS)
+    # The options win: muon_options={"weight_decay": 0.1} must not clash with the keyword.
+    options = {
+        "muon": {**_given(lr=lr, weight_decay=weight_decay), **(muon_options or {})},
+        "adamw": {**_given(lr=adamw_lr, weight_decay=adamw_weight_decay), **(adamw_options or {})},
+    }
     routes = route(model, rules=rules, split_qkv=split_qkv)
     named = dict(model.named_parameters())
     groups: dict[tuple[Any, ...], dict[str, Any]] = {}
     for r in routes:
         key = (r.algorithm, r.layout, r.split_sizes)
         if key not in groups:
-            groups[key] = _new_group(r, lr, adamw_lr, weight_decay, adamw_weight_decay, muon_options, adamw_options)
+            groups[key] = {"params": [], "param_names": [], **_routed(r), **options[r.algorithm]}
         groups[key]["params"].append(named[r.name])
         groups[key]["param_names"].append(r.name)
     return list(groups.values())
 
 
+def _given(**hyperparameters: Any) -> dict[str, Any]:
+    return {k: v for k, v in hyperparameters.items() if v is not None}
+
+
+def _routed(r: Route) -> dict[str, Any]:
+    """The group keys routing decides for ``r``."""
+    if r.algorithm == "muon":
+        return {"algorithm": "muon", "layout": r.layout, "split_sizes": r.split_sizes}
+    return {"algorithm": r.algorithm}
+
+
 def no_decay_on_vectors(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Split each decayed AdamW group into its >= 2D tensors and its vectors, the vectors without weight decay.
+    """Split each AdamW group into its >= 2D tensors and its vectors, the vectors with ``weight_decay=0``.
 
     What ``torch.optim.AdamW`` recipes (nanoGPT, the HF Trainer) do: decay embeddings and heads,
-    never biases and norm gains.
+    never biases and norm gains. The >= 2D part keeps the group's weight decay, or the optimizer's
+    ``adamw_weight_decay`` when the group has none; a group with ``weight_decay=0`` stays whole.
     """
     out = []
     for g in groups:
-        if g["algorithm"] != "adamw" or not g["weight_decay"]:
+        if g["algorithm"] != "adamw" or g.get("weight_decay", None) == 0:
             out.append(g)
             continue
         pairs = list(zip(g["params"], g["param_names"], strict=True))
-        for matrices, decay in ((True, g["weight_decay"]), (False, 0.0)):
+        for matrices in (True, False):
             chosen = [(p, n) for p, n in pairs if (p.ndim >= 2) == matrices]
             if chosen:
-                names = [n for _, n in chosen]
-                out.append({**g, "params": [p for p, _ in chosen], "param_names": names, "weight_decay": decay})
+                part = {**g, "params": [p for p, _ in chosen], "param_names": [n for _, n in chosen]}
+                out.append(part if matrices else {**part, "weight_decay": 0.0})
     return out
-
-
-def _new_group(
-    r: Route,
-    lr: float,
-    adamw_lr: float,
-    weight_decay: float,
-    adamw_weight_decay: float,
-    muon_options: Mapping[str, Any] | None,
-    adamw_options: Mapping[str, Any] | None,
-) -> dict[str, Any]:
-    group: dict[str, Any] = {"params": [], "param_names": [], "algorithm": r.algorithm}
-    # The options win: muon_options={"weight_decay": 0.1} must not clash with the keyword.
-    if r.algorithm == "muon":
-        group.update({"lr": lr, "weight_decay": weight_decay, "layout": r.layout, "split_sizes": r.split_sizes})
-        group.update(muon_options or {})
-    else:
-        group.update({"lr": adamw_lr, "weight_decay": adamw_weight_decay})
-        group.update(adamw_options or {})
-    return group
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ def test_split_moves_the_section_out_and_allows_the_client_optimizer() -> None:
     assert options is not None
     kwargs = options.optimizer_kwargs()
     assert kwargs["lr"] == 0.01 and kwargs["adamw_lr"] == 1e-3 and kwargs["ns_dtype"] == torch.float32
-    assert options.param_groups_kwargs()["lr"] == 0.01
+    assert options.param_groups_kwargs() == {"rules": None, "split_qkv": False}  # hyperparameters: the optimizer's
 
 
 def test_every_documented_key_is_accepted_and_reaches_the_optimizer() -> None:

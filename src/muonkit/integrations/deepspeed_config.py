@@ -48,6 +48,8 @@ from typing import Any
 
 import torch
 
+from muonkit.config import DEFAULTS
+
 __all__ = [
     "MUONKIT_TYPES",
     "MuonkitOptions",
@@ -73,21 +75,21 @@ class UnsupportedConfiguration(ValueError):
 class MuonkitOptions:
     """The ``optimizer.params`` of a muonkit DeepSpeed config (see the module docstring)."""
 
-    lr: float = 0.02
-    weight_decay: float = 0.0
-    momentum: float = 0.95
-    nesterov: bool = True
-    ns_coefficients: Any = "polar_express"
-    ns_steps: int | None = None
-    ns_method: str = "gram"
-    ns_dtype: str | None = None
-    eps: float = 1e-7
-    adjust_lr: str | None = "keller"
-    adamw_lr: float = 3e-4
-    adamw_weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.95)
-    adamw_eps: float = 1e-8
-    nonfinite: str = "skip"
+    lr: float = DEFAULTS.lr
+    weight_decay: float = DEFAULTS.weight_decay
+    momentum: float = DEFAULTS.momentum
+    nesterov: bool = DEFAULTS.nesterov
+    ns_coefficients: Any = DEFAULTS.ns_coefficients
+    ns_steps: int | None = DEFAULTS.ns_steps
+    ns_method: str = DEFAULTS.ns_method
+    ns_dtype: str | None = None  # DEFAULTS.ns_dtype, by name
+    eps: float = DEFAULTS.eps
+    adjust_lr: str | None = DEFAULTS.adjust_lr
+    adamw_lr: float = DEFAULTS.adamw_lr
+    adamw_weight_decay: float = DEFAULTS.adamw_weight_decay
+    betas: tuple[float, float] = DEFAULTS.betas
+    adamw_eps: float = DEFAULTS.adamw_eps
+    nonfinite: str = DEFAULTS.nonfinite
     split_qkv: bool = False
     rules: Any = field(default_factory=list)
 
@@ -108,15 +110,9 @@ class MuonkitOptions:
         return cls(**params)
 
     def param_groups_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments of :func:`muonkit.param_groups`."""
-        return {
-            "lr": self.lr,
-            "adamw_lr": self.adamw_lr,
-            "weight_decay": self.weight_decay,
-            "adamw_weight_decay": self.adamw_weight_decay,
-            "rules": self.rules or None,
-            "split_qkv": self.split_qkv,
-        }
+        """Keyword arguments of :func:`muonkit.param_groups`: the routing only (the hyperparameters
+        are the optimizer's defaults, :meth:`optimizer_kwargs`)."""
+        return {"rules": self.rules or None, "split_qkv": self.split_qkv}
 
     def optimizer_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of :class:`muonkit.HybridMuon` (its defaults for every group)."""

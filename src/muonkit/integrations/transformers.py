@@ -11,7 +11,7 @@ scheduler scales every group from its own base lr; gradient accumulation, clippi
     trainer = Trainer(model=model, args=args, train_dataset=ds,
                       optimizers=(make_optimizer(model, args), None))               # or a plain Trainer
 
-Muon groups keep muonkit's own lr (``muon_lr=0.02`` with Keller's shape scaling) unless told
+Muon groups keep HybridMuon's own lr (``muon_lr``, with Keller's shape scaling) unless told
 otherwise; pass ``adjust_lr="match_adamw", muon_lr=args.learning_rate`` to give the Muon groups
 AdamW's lr as Moonlight does.
 
@@ -29,7 +29,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from muonkit.config import MUON_KEYS, check_group_keys
+from muonkit.config import DEFAULTS, MUON_KEYS, check_group_keys
 from muonkit.distributed import world_size
 from muonkit.optimizer import HybridMuon
 from muonkit.param_groups import no_decay_on_vectors, param_groups
@@ -80,7 +80,7 @@ def make_optimizer(
     model: nn.Module,
     args: Any | None = None,
     *,
-    muon_lr: float = 0.02,
+    muon_lr: float = DEFAULTS.lr,
     adamw_lr: float | None = None,
     weight_decay: float | None = None,
     rules: Sequence[RuleLike] | Mapping[str, str] | None = None,
@@ -90,7 +90,7 @@ def make_optimizer(
 ) -> HybridMuon:
     """A :class:`muonkit.HybridMuon` for ``model`` with the settings of ``args`` (``TrainingArguments``).
 
-    - AdamW groups: lr ``adamw_lr`` (default ``args.learning_rate``, else 3e-4), betas
+    - AdamW groups: lr ``adamw_lr`` (default ``args.learning_rate``, else HybridMuon's), betas
       ``(args.adam_beta1, args.adam_beta2)``, eps ``args.adam_epsilon``; weight decay
       ``weight_decay`` (default ``args.weight_decay``) on their >= 2D tensors (embeddings, heads)
       and none on biases and norm gains, as the Trainer's own optimizer does.
@@ -109,17 +109,17 @@ def make_optimizer(
     check_group_keys(muon_options, " among make_optimizer's Muon options", allowed=MUON_KEYS)
     if process_group is None and world_size() > 1:
         process_group = torch.distributed.group.WORLD
-    wd = weight_decay if weight_decay is not None else float(getattr(args, "weight_decay", 0.0))
+    wd = weight_decay if weight_decay is not None else float(getattr(args, "weight_decay", DEFAULTS.weight_decay))
     if adamw_lr is None:
-        adamw_lr = float(getattr(args, "learning_rate", 3e-4))
-    adamw_options: dict[str, Any] = {}
+        adamw_lr = float(getattr(args, "learning_rate", DEFAULTS.adamw_lr))
+    adamw: dict[str, Any] = {}
     if args is not None:
-        adamw_options = {"betas": (float(args.adam_beta1), float(args.adam_beta2)), "eps": float(args.adam_epsilon)}
-    groups = param_groups(
-        model, lr=muon_lr, adamw_lr=adamw_lr, weight_decay=wd, adamw_weight_decay=wd, rules=rules,
-        split_qkv=split_qkv, muon_options=muon_options, adamw_options=adamw_options,
+        adamw = {"betas": (float(args.adam_beta1), float(args.adam_beta2)), "adamw_eps": float(args.adam_epsilon)}
+    groups = param_groups(model, rules=rules, split_qkv=split_qkv, muon_options=muon_options)
+    return HybridMuon(
+        no_decay_on_vectors(groups), lr=muon_lr, weight_decay=wd, adamw_lr=adamw_lr, adamw_weight_decay=wd,
+        process_group=process_group, **adamw,
     )  # fmt: skip
-    return HybridMuon(no_decay_on_vectors(groups), process_group=process_group)
 
 
 def _check_trainer_mode(args: Any | None) -> None:
