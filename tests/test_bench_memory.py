@@ -31,7 +31,7 @@ class Tiny(nn.Module):
 
 def test_routing_counts_of_the_hand_model() -> None:
     report = explain(Tiny())
-    assert (report.params("muon"), report.params("adamw")) == (48, 58)
+    assert (report.numel("muon"), report.numel("adamw")) == (48, 58)
 
 
 @pytest.mark.parametrize(

@@ -358,7 +358,7 @@ def test_explain_totals_match_a_hand_count(models: dict[str, nn.Module]) -> None
     muon = q + k + v + o + gate + up + down  # 9216
     adamw = 97 * 32 * 2 + 3 * 32  # embedding + lm_head + 3 RMSNorm gains = 6304
     report = muonkit.explain(models["llama"])
-    assert (report.params("muon"), report.params("adamw"), report.total_params) == (muon, adamw, muon + adamw)
+    assert (report.numel("muon"), report.numel("adamw"), report.total_params) == (muon, adamw, muon + adamw)
     assert report.muon_fraction == pytest.approx(muon / (muon + adamw))
     assert report.hybrid_state_bytes == 4 * muon + 8 * adamw
     assert report.adamw_state_bytes == 8 * (muon + adamw)

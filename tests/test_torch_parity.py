@@ -121,7 +121,7 @@ def test_muon_accepts_experts_and_convs_as_batches_of_matrices() -> None:
 
 def test_muon_rejects_adamw_groups() -> None:
     w, b = torch.nn.Parameter(torch.randn(4, 4)), torch.nn.Parameter(torch.randn(4))
-    with pytest.raises(ValueError, match=r"^muonkit.Muon takes Muon groups only; group 1 is 'adamw'"):
+    with pytest.raises(ValueError, match=r"^muonkit.Muon takes Muon groups only; param group 1 is 'adamw'"):
         muonkit.Muon([{"params": [w]}, {"params": [b], "algorithm": "adamw"}])
 
 

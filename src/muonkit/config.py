@@ -177,7 +177,7 @@ def _muon_config(g: Mapping[str, Any]) -> MuonConfig:
         raise ValueError(f"Invalid ns_method={ns_method!r}: must be one of {METHODS}")
     return MuonConfig(
         lr=_nonneg("lr", g["lr"]),
-        momentum=_unit("momentum", g["momentum"]),
+        momentum=_muon_momentum(g),
         nesterov=_bool("nesterov", g["nesterov"]),
         ns_coefficients=ns_coefficients,
         ns_steps=ns_steps,
@@ -188,6 +188,19 @@ def _muon_config(g: Mapping[str, Any]) -> MuonConfig:
         ns_dtype=ns_dtype,
         ns_method=ns_method,
     )
+
+
+def _muon_momentum(g: Mapping[str, Any]) -> float:
+    """``momentum``; under a torch scheduler that cycles momentum, the ``betas[0]`` it writes.
+
+    ``OneCycleLR`` and ``CyclicLR`` with ``cycle_momentum=True`` write ``betas[0]`` of every group
+    (the optimizer has ``betas``) and mark each group with ``base_momentum``: in a Muon group that
+    value is Muon's momentum, as it is AdamW's beta1 in an AdamW group.
+    """
+    betas = g.get("betas")
+    if "base_momentum" in g and isinstance(betas, Sequence) and len(betas) == 2:
+        return _unit("betas[0] (Muon's momentum, cycled by the lr scheduler)", betas[0])
+    return _unit("momentum", g["momentum"])
 
 
 def _adamw_config(g: Mapping[str, Any]) -> AdamWConfig:
@@ -213,12 +226,13 @@ def check_group_keys(group: Mapping[str, Any], where: str = "", *, allowed: Sequ
     if unknown:
         key = unknown[0]
         raise ValueError(
-            f"Unknown key {key!r}{where}{_key_hint(key, allowed)}: Muon groups take {MUON_KEYS}, "
+            f"Unknown key {key!r}{where}{key_hint(key, allowed)}: Muon groups take {MUON_KEYS}, "
             f"AdamW groups {ADAMW_KEYS}"
         )
 
 
-def _key_hint(key: Any, allowed: Sequence[str]) -> str:
+def key_hint(key: Any, allowed: Sequence[str]) -> str:
+    """`` (did you mean 'adjust_lr'?)`` and the like for an unknown ``key``, or ``""``."""
     if not isinstance(key, str):
         return ""
     if key in TORCH_ONLY_KEYS:

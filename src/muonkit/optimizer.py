@@ -8,6 +8,7 @@ The optimizer validates, keeps state and orchestrates; the math lives in
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -25,6 +26,7 @@ from muonkit.config import (
     MuonConfig,
     check_group_keys,
     group_config,
+    key_hint,
     plain_hyperparameters,
 )
 from muonkit.distributed import SingleDeviceStrategy, Strategy, select_strategy
@@ -73,6 +75,11 @@ class HybridMuon(Optimizer):
     (stored as Python numbers, tensors as given); integers (``ns_steps``, ``split_sizes``) must
     be ints, Python or numpy. A group key the optimizer does not know is an error.
 
+    torch's lr schedulers scale each group from its own lr. Those that cycle momentum
+    (``OneCycleLR``, ``CyclicLR`` with ``cycle_momentum=True``) write ``betas[0]`` of every group,
+    since the optimizer has ``betas``; a Muon group they mark (``base_momentum``) steps with that
+    value as its ``momentum``, so both algorithms follow the cycle.
+
     A ``copy.deepcopy`` or pickle of the optimizer keeps everything (hyperparameters, states,
     ``nonfinite``, ``skipped_steps``, the strategy) and steps exactly like the original. Only a
     single-device optimizer can be copied: a distributed strategy holds a process group, which
@@ -106,6 +113,9 @@ class HybridMuon(Optimizer):
         strategy: an explicit :class:`muonkit.distributed.Strategy` (advanced).
     """
 
+    _for_a_model = "muonkit.param_groups(model)"
+    """What to pass instead of a model, or of a group that mixes matrices and vectors."""
+
     def __init__(
         self,
         params: Iterable[Any],
@@ -129,7 +139,14 @@ class HybridMuon(Optimizer):
         nonfinite: NonFinite = DEFAULTS.nonfinite,
         process_group: Any | None = None,
         strategy: Strategy | None = None,
+        **unknown: Any,  # only to answer torch's keywords (adjust_lr_fn=, foreach=...) with a hint
     ) -> None:
+        _check_keywords(type(self).__name__, unknown)
+        if isinstance(params, torch.nn.Module):
+            raise TypeError(
+                f"{type(self).__name__} takes param groups or tensors, not a model ({type(params).__name__}): "
+                f"pass {self._for_a_model}"
+            )
         if nonfinite not in NONFINITE_CHOICES:
             raise ValueError(f"Invalid nonfinite={nonfinite!r}: must be one of {NONFINITE_CHOICES}")
         self.nonfinite = nonfinite
@@ -160,6 +177,9 @@ class HybridMuon(Optimizer):
 
     # ------------------------------------------------------------------ groups
 
+    def _mixed_group_advice(self) -> str:
+        return f"give it algorithm='adamw', or pass {self._for_a_model}"
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group; it is validated completely before anything changes.
 
@@ -180,7 +200,7 @@ class HybridMuon(Optimizer):
         if any(p.is_complex() for p in params):
             raise ValueError(f"Param group {index} has a complex tensor: complex params are not supported")
         if "algorithm" not in group or group["algorithm"] is None:
-            group["algorithm"] = _default_algorithm(params, index)
+            group["algorithm"] = _default_algorithm(params, index, advice=self._mixed_group_advice())
         if group["algorithm"] == "adamw":
             for key, value in self._adamw_defaults.items():
                 group.setdefault(key, value)
@@ -519,13 +539,18 @@ def _saved_skipped_steps(state_dict: Mapping[str, Any], *, default: int) -> int:
     return value
 
 
-def _default_algorithm(params: list[Tensor], index: int) -> str:
+def _default_algorithm(params: list[Tensor], index: int, *, advice: str) -> str:
     if all(len(full_shape(p)) >= 2 for p in params):
         return "muon"
-    raise ValueError(
-        f"Param group {index} has no 'algorithm' and contains tensors with < 2 dims: give it "
-        "algorithm='adamw', or build the groups with muonkit.param_groups(model)"
-    )
+    raise ValueError(f"Param group {index} has no 'algorithm' and contains tensors with < 2 dims: {advice}")
+
+
+def _check_keywords(owner: str, unknown: Mapping[str, Any]) -> None:
+    """Python's unexpected-keyword TypeError, with the hint a torch user needs (``adjust_lr_fn`` -> ``adjust_lr``)."""
+    if unknown:
+        key = next(iter(unknown))
+        keywords = tuple(inspect.signature(HybridMuon.__init__).parameters)[2:-1]  # not self, params, **unknown
+        raise TypeError(f"{owner}() got an unexpected keyword argument {key!r}{key_hint(key, keywords)}")
 
 
 def _check_muon_params(
@@ -623,8 +648,17 @@ class Muon(HybridMuon):
 
     ``adjust_lr_fn`` accepts torch's names (``"original"`` = ``"keller"``, ``"match_rms_adamw"``
     = ``"match_adamw"``) and ours. 3D tensors are batches of matrices (MoE experts), >= 4D are
-    flattened to ``(out, in*k...)`` (convs).
+    flattened to ``(out, in*k...)`` (convs). Like torch's, it takes only tensors with >= 2 dims:
+    for a whole model, give it the Muon groups of :func:`muonkit.param_groups` and train the rest
+    with an AdamW, or use :class:`HybridMuon`, which does both::
+
+        opt = muonkit.Muon([g for g in muonkit.param_groups(model) if g["algorithm"] == "muon"])
     """
+
+    _for_a_model = (
+        "only the >= 2D hidden matrices, e.g. muonkit.Muon([g for g in muonkit.param_groups(model) if "
+        "g['algorithm'] == 'muon']) with an AdamW for the rest, or use muonkit.HybridMuon(muonkit.param_groups(model))"
+    )
 
     def __init__(
         self,
@@ -656,11 +690,19 @@ class Muon(HybridMuon):
             adjust_lr=adjust_lr_fn,
             **kwargs,
         )
-        for i, group in enumerate(self.param_groups):
-            if group["algorithm"] != "muon":
-                raise ValueError(
-                    f"muonkit.Muon takes Muon groups only; group {i} is {group['algorithm']!r} (use HybridMuon)"
-                )
+
+    def _mixed_group_advice(self) -> str:
+        return f"muonkit.Muon takes {self._for_a_model}"
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """As :meth:`HybridMuon.add_param_group`, for Muon groups only."""
+        algorithm = param_group.get("algorithm") if isinstance(param_group, Mapping) else None
+        if algorithm not in (None, "muon"):
+            raise ValueError(
+                f"muonkit.Muon takes Muon groups only; param group {len(self.param_groups)} is {algorithm!r}: "
+                f"it takes {self._for_a_model}"
+            )
+        super().add_param_group(param_group)
 
 
 __all__ = ["NONFINITE_CHOICES", "HybridMuon", "Muon"]

@@ -7,6 +7,7 @@ print(muonkit.explain(model))
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -97,8 +98,23 @@ class RoutingReport:
 
     routes: tuple[Route, ...]
 
-    def params(self, algorithm: str) -> int:
+    def numel(self, algorithm: str) -> int:
+        """How many parameters (elements) go to ``algorithm``."""
         return sum(r.numel for r in self.routes if r.algorithm == algorithm)
+
+    def names(self, algorithm: str) -> list[str]:
+        """The names of the tensors that go to ``algorithm``."""
+        return [r.name for r in self.routes if r.algorithm == algorithm]
+
+    def params(self, algorithm: str) -> int:
+        """Deprecated: the element count, :meth:`numel` (the tensors' names: :meth:`names`)."""
+        warnings.warn(
+            "RoutingReport.params(algorithm) is deprecated: it counts elements; use .numel(algorithm), or "
+            ".names(algorithm) for the tensors",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.numel(algorithm)
 
     @property
     def total_params(self) -> int:
@@ -107,7 +123,7 @@ class RoutingReport:
     @property
     def muon_fraction(self) -> float:
         """f: the share of parameters on Muon."""
-        return self.params("muon") / self.total_params if self.total_params else 0.0
+        return self.numel("muon") / self.total_params if self.total_params else 0.0
 
     @property
     def hybrid_state_bytes(self) -> int:
@@ -131,7 +147,7 @@ class RoutingReport:
                 }
                 for r in self.routes
             ],
-            "params": {"muon": self.params("muon"), "adamw": self.params("adamw"), "total": self.total_params},
+            "params": {"muon": self.numel("muon"), "adamw": self.numel("adamw"), "total": self.total_params},
             "muon_fraction": self.muon_fraction,
             "state_bytes": {"hybrid_muon": self.hybrid_state_bytes, "adamw": self.adamw_state_bytes},
         }
@@ -145,8 +161,8 @@ class RoutingReport:
         saving = 1 - self.hybrid_state_bytes / self.adamw_state_bytes if self.adamw_state_bytes else 0.0
         lines += [
             "",
-            f"params on Muon:  {self.params('muon'):>14,}",
-            f"params on AdamW: {self.params('adamw'):>14,}",
+            f"params on Muon:  {self.numel('muon'):>14,}",
+            f"params on AdamW: {self.numel('adamw'):>14,}",
             f"Muon fraction f: {self.muon_fraction:>14.3f}",
             f"optimizer state: HybridMuon {_gib(self.hybrid_state_bytes)} vs AdamW {_gib(self.adamw_state_bytes)}"
             f" ({saving:.1%} less; f/2 = {self.muon_fraction / 2:.1%})",

@@ -62,7 +62,7 @@ def model_report(name: str, config: dict[str, Any], *, world_size: int, sizes: E
 
     model = model_from_config(config, device="meta")
     report = explain(model)
-    n_muon, n_adamw = report.params("muon"), report.params("adamw")
+    n_muon, n_adamw = report.numel("muon"), report.numel("adamw")
     savings = Savings.of(n_muon=n_muon, n_adamw=n_adamw, sizes=sizes)
     table = zero_table(n_muon=n_muon, n_adamw=n_adamw, world_size=world_size, sizes=sizes)
     return {
@@ -158,7 +158,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
         model=args.probe_model, hidden=args.probe_hidden, layers=args.probe_layers, vocab=args.probe_vocab,
         seq=args.probe_seq, dtype="float32", seed=0,
     )  # fmt: skip
-    n_muon = explain(build_model(probe_args)).params("muon")
+    n_muon = explain(build_model(probe_args)).numel("muon")
     results = run_probes(args)
     for r in results:
         r["muon_params"] = n_muon
