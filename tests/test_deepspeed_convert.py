@@ -193,3 +193,15 @@ def test_help_says_what_is_unpickled(capsys: pytest.CaptureFixture[str]) -> None
     text = " ".join(capsys.readouterr().out.split())
     assert "torch.load(weights_only=True)" in text and "never unpickled" in text
     assert "engine.load_checkpoint unpickles with weights_only=False" in text
+
+
+def test_module_entry_point_has_the_same_arguments(capsys: pytest.CaptureFixture[str]) -> None:
+    """``python -m muonkit.integrations.deepspeed_convert`` parses on its own (no import of the CLI)."""
+    from muonkit.integrations.deepspeed_convert import main as module_main
+
+    with pytest.raises(SystemExit) as info:
+        module_main(["--help"])
+    assert info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert text.startswith("usage: muonkit convert-deepspeed [-h] --world-size WORLD_SIZE --output OUTPUT")
+    assert "never unpickled" in text

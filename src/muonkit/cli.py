@@ -15,6 +15,8 @@ import sys
 from collections.abc import Sequence
 from types import ModuleType
 
+from muonkit.integrations import deepspeed_convert
+
 BENCHES: dict[str, str] = {
     "nanogpt": "muonkit.bench.nanogpt",
     "step": "muonkit.bench.step",
@@ -46,27 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--split-qkv", action="store_true", help="split fused QKV projections into Q, K, V blocks")
     inspect.add_argument("--json", metavar="PATH", help="also write the report as JSON")
     convert = commands.add_parser(
-        "convert-deepspeed",
-        help="rewrite a DeepSpeed ZeRO checkpoint of a muonkit run for another world size",
-        description=(
-            "Rewrite a DeepSpeed ZeRO checkpoint of a muonkit run for another data-parallel world size. "
-            "Files are read with torch.load(weights_only=True): tensors, plain containers and the few "
-            "DeepSpeed classes its checkpoints hold (loss scaler, ZeRO stage, fragment addresses); a "
-            "file holding any other object is refused, never unpickled. OUTPUT/TAG is written aside and "
-            "renamed into place; nothing is written outside OUTPUT. Note: DeepSpeed's own "
-            "engine.load_checkpoint unpickles with weights_only=False, so load only checkpoints you trust."
-        ),
+        "convert-deepspeed", help=deepspeed_convert.HELP, description=deepspeed_convert.DESCRIPTION
     )
-    convert.add_argument("checkpoint", help="the directory given to engine.save_checkpoint")
-    convert.add_argument("--world-size", type=int, required=True, help="data-parallel ranks that will load it")
-    convert.add_argument(
-        "--output", required=True, help="directory to write the converted checkpoint to (outside CHECKPOINT)"
-    )
-    convert.add_argument(
-        "--tag", default=None,
-        help="checkpoint tag, a directory name inside CHECKPOINT (default: the one in CHECKPOINT/latest)",
-    )  # fmt: skip
-    convert.set_defaults(run=_convert_deepspeed)
+    deepspeed_convert.add_arguments(convert)
+    convert.set_defaults(run=deepspeed_convert.run)
     bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     for name, module_name in BENCHES.items():
         module = _load(module_name)
@@ -99,12 +84,6 @@ def _inspect(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump(report.to_dict(), f, indent=2)
     return 0
-
-
-def _convert_deepspeed(args: argparse.Namespace) -> int:
-    from muonkit.integrations.deepspeed_convert import run
-
-    return run(args)
 
 
 def _configure_logging(verbose: bool) -> None:

@@ -278,6 +278,30 @@ def _repartition_params(parts: list[Tensor], numels: list[int], old: int, world:
     return [torch.cat(pieces).clone() for pieces in out]
 
 
+HELP = "rewrite a DeepSpeed ZeRO checkpoint of a muonkit run for another world size"
+DESCRIPTION = (
+    "Rewrite a DeepSpeed ZeRO checkpoint of a muonkit run for another data-parallel world size. "
+    "Files are read with torch.load(weights_only=True): tensors, plain containers and the few "
+    "DeepSpeed classes its checkpoints hold (loss scaler, ZeRO stage, fragment addresses); a "
+    "file holding any other object is refused, never unpickled. OUTPUT/TAG is written aside and "
+    "renamed into place; nothing is written outside OUTPUT. Note: DeepSpeed's own "
+    "engine.load_checkpoint unpickles with weights_only=False, so load only checkpoints you trust."
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of ``muonkit convert-deepspeed`` (also ``python -m`` this module)."""
+    parser.add_argument("checkpoint", help="the directory given to engine.save_checkpoint")
+    parser.add_argument("--world-size", type=int, required=True, help="data-parallel ranks that will load it")
+    parser.add_argument(
+        "--output", required=True, help="directory to write the converted checkpoint to (outside CHECKPOINT)"
+    )
+    parser.add_argument(
+        "--tag", default=None,
+        help="checkpoint tag, a directory name inside CHECKPOINT (default: the one in CHECKPOINT/latest)",
+    )  # fmt: skip
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         tag = convert(args.checkpoint, world_size=args.world_size, output=args.output, tag=args.tag)
@@ -288,9 +312,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from muonkit.cli import main as cli_main
-
-    return cli_main(["convert-deepspeed", *(argv if argv is not None else sys.argv[1:])])
+    parser = argparse.ArgumentParser(prog="muonkit convert-deepspeed", description=DESCRIPTION)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
 
 
 if __name__ == "__main__":
