@@ -17,26 +17,7 @@ import torch
 from torch import nn
 
 import muonkit
-
-
-class Tiny(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(20, 16)
-        self.up = nn.Linear(16, 32)
-        self.down = nn.Linear(32, 16)
-        self.norm = nn.LayerNorm(16)
-        self.head = nn.Linear(16, 20)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x = self.embed(ids)
-        return self.head(self.norm(x + self.down(torch.relu(self.up(x)))))
-
-
-def _loss(model: nn.Module, seed: int = 0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, 20, (4, 6), generator=g)
-    return nn.functional.cross_entropy(model(ids).flatten(0, 1), ids.flatten())
+from helpers import Tiny, tiny_loss
 
 
 def _setup(nonfinite: str = "skip", dtype: torch.dtype = torch.float32) -> tuple[Tiny, muonkit.HybridMuon]:
@@ -48,7 +29,7 @@ def _setup(nonfinite: str = "skip", dtype: torch.dtype = torch.float32) -> tuple
 def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: int, seed: int = 0) -> None:
     for i in range(steps):
         opt.zero_grad()
-        _loss(model, seed + i).backward()
+        tiny_loss(model, seed + i).backward()
         opt.step()
 
 
@@ -85,7 +66,7 @@ def test_skip_leaves_everything_bit_identical_warns_and_counts(
     _train(model, opt, 2)
     before = _snapshot(model, opt)
     opt.zero_grad()
-    _loss(model, 5).backward()
+    tiny_loss(model, 5).backward()
     _poison(model, where, value)
     with caplog.at_level(logging.WARNING, logger="muonkit.optimizer"):
         opt.step()
@@ -102,7 +83,7 @@ def test_a_skipped_step_is_as_if_it_never_happened() -> None:
     _train(model, opt, 2)
     _train(twin, twin_opt, 2)
     opt.zero_grad()
-    _loss(model, 9).backward()
+    tiny_loss(model, 9).backward()
     _poison(model, "adamw", float("nan"))
     opt.step()
     _train(model, opt, 2, seed=2)
@@ -116,7 +97,7 @@ def test_raise_raises_with_nothing_changed(where: str) -> None:
     _train(model, opt, 1)
     before = _snapshot(model, opt)
     opt.zero_grad()
-    _loss(model, 3).backward()
+    tiny_loss(model, 3).backward()
     _poison(model, where, float("nan"))
     with pytest.raises(FloatingPointError, match=r"^non-finite gradient \(inf or nan\); nothing was updated$"):
         opt.step()
@@ -128,7 +109,7 @@ def test_unchecked_lets_nan_through() -> None:
     """Documented: no check and no cost, so a NaN poisons the weights (Newton-Schulz mixes it everywhere)."""
     model, opt = _setup("unchecked")
     opt.zero_grad()
-    _loss(model).backward()
+    tiny_loss(model).backward()
     _poison(model, "muon", float("nan"))
     opt.step()
     assert torch.isnan(model.up.weight).all()
@@ -140,7 +121,7 @@ def test_bf16_gradients_are_checked_too() -> None:
     _train(model, opt, 1)
     before = _snapshot(model, opt)
     opt.zero_grad()
-    _loss(model, 4).backward()
+    tiny_loss(model, 4).backward()
     _poison(model, "muon", float("inf"))
     opt.step()
     _assert_same(before, _snapshot(model, opt))
@@ -151,7 +132,7 @@ def test_huge_finite_gradient_is_not_mistaken_for_inf(dtype: torch.dtype) -> Non
     """1e30 squared overflows the fast L2 check; the exact re-check must let the step through."""
     model, opt = _setup("raise", dtype=dtype)
     opt.zero_grad()
-    _loss(model).backward()
+    tiny_loss(model).backward()
     _poison(model, "adamw", 1e30)
     before = model.norm.bias.detach().clone()
     opt.step()
@@ -198,7 +179,7 @@ def test_step_never_mutates_p_grad(nesterov: bool, dtype: torch.dtype) -> None:
     opt = muonkit.HybridMuon(muonkit.param_groups(model, muon_options={"nesterov": nesterov}, adamw_weight_decay=0.1))
     for i in range(3):
         opt.zero_grad()
-        _loss(model, i).backward()
+        tiny_loss(model, i).backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         opt.step()
         for n, p in model.named_parameters():

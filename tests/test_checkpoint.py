@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import muonkit
-from test_bad_input import Tiny, _loss
+from helpers import Tiny, assert_unchanged, frozen_state, tiny_loss
 
 
 def _build(dtype: torch.dtype, seed: int, **opt_kwargs: Any) -> tuple[Tiny, muonkit.HybridMuon, Any]:
@@ -27,7 +27,7 @@ def _build(dtype: torch.dtype, seed: int, **opt_kwargs: Any) -> tuple[Tiny, muon
 def _train(model: Tiny, opt: muonkit.HybridMuon, sched: Any, steps: range) -> None:
     for i in steps:
         opt.zero_grad()
-        loss = _loss(model, i)
+        loss = tiny_loss(model, i)
         loss.backward()
         if i == 3:  # some params without a gradient on one step: AdamW step counts diverge
             model.head.bias.grad = None
@@ -81,26 +81,6 @@ def _trained() -> tuple[Tiny, muonkit.HybridMuon]:
     model, opt, sched = _build(torch.float32, 0)
     _train(model, opt, sched, range(2))
     return model, opt
-
-
-def _frozen(opt: muonkit.HybridMuon) -> dict[str, Any]:
-    return copy.deepcopy({"state": dict(opt.state), "groups": [dict(g) for g in opt.param_groups]})
-
-
-def _assert_unchanged(opt: muonkit.HybridMuon, before: dict[str, Any]) -> None:
-    after = _frozen(opt)
-    assert len(after["groups"]) == len(before["groups"])
-    for ga, gb in zip(after["groups"], before["groups"], strict=True):
-        assert ga.keys() == gb.keys()
-        for k in ga:
-            if k == "params":
-                assert all(torch.equal(x, y) for x, y in zip(ga[k], gb[k], strict=True))
-            else:
-                assert ga[k] == gb[k], k
-    assert len(after["state"]) == len(before["state"])
-    for sa, sb in zip(after["state"].values(), before["state"].values(), strict=True):
-        assert sa.keys() == sb.keys()
-        assert all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
 Edit = Callable[[dict[str, Any]], None]
@@ -269,11 +249,11 @@ def test_a_state_that_does_not_fit_raises_and_changes_nothing(edit: Edit, messag
     sd = copy.deepcopy(opt.state_dict())
     edit(sd)
     _, target = _trained()
-    before = _frozen(target)
+    before = frozen_state(target)
     with pytest.raises(ValueError) as info:
         target.load_state_dict(sd)
     assert str(info.value).startswith(message), str(info.value)
-    _assert_unchanged(target, before)
+    assert_unchanged(target, before)
 
 
 def test_param_ids_refer_to_the_param_groups() -> None:
@@ -282,7 +262,7 @@ def test_param_ids_refer_to_the_param_groups() -> None:
     sd = copy.deepcopy(opt.state_dict())
     sd["state"][1000] = {"momentum_buffer": torch.zeros(1)}
     opt.load_state_dict(sd)
-    _loss(model).backward()
+    tiny_loss(model).backward()
     opt.step()
 
 
@@ -299,7 +279,7 @@ def test_missing_hyperparameters_keep_their_current_values() -> None:
         assert group.keys() == current.keys()
         assert all(group[k] == current[k] for k in ("ns_method", "adjust_lr", "eps") if k in current)
     target.zero_grad()
-    _loss(model).backward()
+    tiny_loss(model).backward()
     target.step()
 
 
@@ -311,7 +291,7 @@ def test_loaded_state_does_not_alias_the_state_dict() -> None:
     model2, opt2 = _trained()
     opt2.load_state_dict(sd)
     opt2.zero_grad()
-    _loss(model2, 7).backward()
+    tiny_loss(model2, 7).backward()
     opt2.step()
     for pid, st in snapshot["state"].items():
         for key, value in st.items():

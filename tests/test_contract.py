@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import muonkit
-from test_bad_input import Tiny, _loss
+from helpers import Tiny, tiny_loss
 
 Factory = Callable[[nn.Module], torch.optim.Optimizer]
 
@@ -45,7 +45,7 @@ def _make(kind: str, dtype: torch.dtype = torch.float32) -> tuple[Tiny, torch.op
 
 def _step(model: nn.Module, opt: torch.optim.Optimizer, seed: int) -> None:
     opt.zero_grad()
-    _loss(model, seed).backward()
+    tiny_loss(model, seed).backward()
     opt.step()
 
 
@@ -81,7 +81,7 @@ def test_closure_returns_the_loss_and_equals_a_manual_step(kind: str) -> None:
 
     def closure() -> torch.Tensor:
         opt.zero_grad()
-        loss = _loss(model, 3)
+        loss = tiny_loss(model, 3)
         loss.backward()
         return loss
 
@@ -95,7 +95,7 @@ def test_closure_returns_the_loss_and_equals_a_manual_step(kind: str) -> None:
 @pytest.mark.parametrize("kind", KINDS)
 def test_zero_grad(kind: str, set_to_none: bool) -> None:
     model, opt = _make(kind)
-    _loss(model).backward()
+    tiny_loss(model).backward()
     opt.zero_grad(set_to_none=set_to_none)
     for p in _params(opt):
         if set_to_none:
@@ -107,7 +107,7 @@ def test_zero_grad(kind: str, set_to_none: bool) -> None:
 @pytest.mark.parametrize("kind", KINDS)
 def test_params_without_grad_are_untouched_and_get_no_state(kind: str) -> None:
     model, opt = _make(kind)
-    _loss(model).backward()
+    tiny_loss(model).backward()
     skipped = [model.down.weight, model.head.bias, model.norm.weight]
     for p in skipped:
         p.grad = None
@@ -188,7 +188,7 @@ def test_add_param_group_later(kind: str) -> None:
         assert opt.param_groups[-1]["algorithm"] == "adamw" and opt.param_groups[-1]["lr"] == 3e-4
     muon = next(g for g in opt.param_groups if any(p is extra.weight for p in g["params"]))
     assert muon["algorithm"] == "muon" and muon["lr"] == 0.01
-    (_loss(model) + extra(torch.ones(16)).sum()).backward()
+    (tiny_loss(model) + extra(torch.ones(16)).sum()).backward()
     opt.step()
     assert opt.state[extra.weight]["momentum_buffer"].shape == (8, 16)
     if not isinstance(opt, muonkit.Muon):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import muonkit
-from test_checkpoint import _assert_unchanged, _frozen
+from helpers import assert_unchanged, frozen_state
 
 SHAPES = [(12, 8), (8,), ()]
 
@@ -152,11 +152,11 @@ def test_other_optimizers_state_is_refused_and_changes_nothing(
     p = opt.param_groups[0]["params"][0]
     p.grad = torch.ones_like(p)
     opt.step()
-    before = _frozen(opt)
+    before = frozen_state(opt)
     sd = saved()
     snapshot = copy.deepcopy(sd)
     with pytest.raises(ValueError) as info:
         opt.load_state_dict(sd)
     assert str(info.value).startswith(message), str(info.value)
-    _assert_unchanged(opt, before)
+    assert_unchanged(opt, before)
     assert sd["param_groups"] == snapshot["param_groups"]  # the caller's dict is not rewritten

@@ -22,8 +22,8 @@ import torch
 from torch import nn
 
 import muonkit
+from helpers import Tiny, tiny_loss
 from muonkit.integrations.transformers import make_optimizer
-from test_bad_input import Tiny, _loss
 
 FLOAT_TYPES: dict[str, Any] = {
     "np.float16": np.float16,
@@ -240,7 +240,7 @@ def test_scheduler_keys_are_accepted_before_and_after_construction() -> None:
     opt = muonkit.HybridMuon(muonkit.param_groups(model))
     torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=10)  # writes initial_lr, max_lr, momenta...
     opt.param_groups[0]["note"] = "anything"  # keys written after construction are the writer's business
-    _loss(model).backward()
+    tiny_loss(model).backward()
     opt.step()
     # groups copied from a scheduled optimizer carry the scheduler's keys: a new optimizer takes them
     copied = [dict(g) for g in opt.param_groups]
