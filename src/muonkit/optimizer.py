@@ -464,7 +464,8 @@ def _all_finite(lists: Sequence[Sequence[Tensor]]) -> Tensor:
     squares overflows, e.g. values above ~1e19) and one host read per device for all lists. Only
     a list that this calls non-finite gets the exact check (min and max per tensor), so a finite
     but huge tensor is never mistaken for inf. ``_foreach_norm(ord=inf)`` would be exact in one
-    pass but is ~100x slower on CPU. Empty tensors (a rank's empty FSDP2 shards) are finite.
+    pass but is several times slower on CPU (BENCHMARKS.md). Empty tensors (a rank's empty FSDP2
+    shards) are finite.
     """
     nonempty = [[t for t in ts if t.numel() > 0] for ts in lists]
     ok = _finite_by_device([torch._foreach_norm(ts) if ts else [] for ts in nonempty])

@@ -279,8 +279,7 @@ def resolve_autocast(autocast: Literal["auto", "bf16"] | None, device: str) -> L
 
     The rule ``orthogonalize`` uses for its compute dtype (:func:`default_compute_dtype`): CUDA
     with bf16 support and CPUs with AVX512-BF16 or AMX. Elsewhere bf16 autocast makes training
-    slower, not faster (CPUs without bf16 units emulate it: 20 demo steps took ~2x the time on a
-    Xeon with AVX512, 5.5-6.5x the CPU time on an AVX2 EPYC).
+    slower, not faster (CPUs without bf16 units emulate it; figures in BENCHMARKS.md).
     """
     if autocast != "auto":
         return autocast
