@@ -33,8 +33,7 @@ from muonkit.distributed import SingleDeviceStrategy, Strategy, select_strategy
 from muonkit.distributed.agreement import settings_of
 from muonkit.foreign_state import muonkit_group
 from muonkit.functional.adamw import adamw_
-from muonkit.functional.momentum import momentum_, muon_update
-from muonkit.functional.muon import muon_apply_
+from muonkit.functional.muon import momentum_, muon_apply_, muon_update
 from muonkit.shapes import full_shape
 
 logger = logging.getLogger(__name__)

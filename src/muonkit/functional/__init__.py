@@ -4,8 +4,7 @@ from muonkit.functional.adamw import adamw_
 from muonkit.functional.coefficients import PRESETS, Preset, resolve_preset
 from muonkit.functional.lr_scaling import ADJUST_LR_CHOICES, lr_scale
 from muonkit.functional.matrices import MatrixBlock, MatrixLayout
-from muonkit.functional.momentum import momentum_, muon_momentum_, muon_update
-from muonkit.functional.muon import NSOptions, muon_apply_, muon_directions
+from muonkit.functional.muon import NSOptions, momentum_, muon_apply_, muon_directions, muon_momentum_, muon_update
 from muonkit.functional.orthogonalize import default_compute_dtype, orthogonalization_flops, orthogonalize
 
 __all__ = [
