@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 import muonkit
+from muonkit.param_groups import no_decay_on_vectors
 from muonkit.routing import Rule
 
 transformers = pytest.importorskip("transformers", reason="the [hf] extra is part of `make test`'s install")
@@ -378,3 +379,14 @@ def test_explain_on_the_meta_device() -> None:
     report = muonkit.explain(model)
     experts = [r for r in report.routes if r.layout == "experts"]
     assert len(experts) == 2 and all(r.shape[0] == 8 for r in experts)
+
+
+def test_no_decay_on_vectors_leaves_the_matrices_decay_to_the_optimizer() -> None:
+    model = nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 8), nn.LayerNorm(8))
+    groups = no_decay_on_vectors(muonkit.param_groups(model))
+    opt = muonkit.HybridMuon(groups, adamw_weight_decay=0.1)
+    decay = {n: g["weight_decay"] for g in opt.param_groups if g["algorithm"] == "adamw" for n in g["param_names"]}
+    assert decay == {"0.weight": 0.1, "1.bias": 0.0, "2.weight": 0.0, "2.bias": 0.0}
+    # a group whose decay is explicitly 0 stays whole
+    whole = no_decay_on_vectors(muonkit.param_groups(model, adamw_weight_decay=0.0))
+    assert sorted(g["algorithm"] for g in whole) == ["adamw", "muon"]
