@@ -30,6 +30,7 @@ import json
 import logging
 import statistics
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +113,7 @@ def _worker(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     # DTensor warns on every rank about torch.optim.Muon's sequential all-reduces on 2-D meshes (counted here)
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")  # the logits
     dist.init_process_group("gloo")
     rows = {
         f"{layout}/{name}": _measure_or_report(layout, name, args)
@@ -287,11 +289,12 @@ def _full_values(groups: list[dict[str, Any]], *, grads: bool = False) -> list[l
 def _update_error(
     name: str, groups: list[dict[str, Any]], before: list[list[Any]], grads: list[list[Any]], after: list[list[Any]]
 ) -> float:
-    """max over Muon params of ``max|update - reference| / max|reference|``: the reference is the same
-    optimizer on one device, fresh, stepping whole copies of the params with the whole gradients.
+    """max over Muon params of ``||update - reference||_F / ||reference||_F`` after the first step: the
+    reference is the same optimizer on one device, fresh, stepping whole copies of the params with
+    the whole gradients.
 
-    0 (or bf16 rounding, ~1e-2) when the layout changes nothing; ~1 when it silently computes
-    something else (e.g. orthogonalizes each shard instead of the whole matrix)."""
+    0 (or bf16 rounding) when the layout changes nothing; ~1 when it silently computes something
+    else (e.g. orthogonalizes each shard instead of the whole matrix)."""
     import torch
 
     import muonkit
@@ -315,7 +318,7 @@ def _update_error(
             continue
         for p, old, got in zip(group["params"], values, new, strict=True):
             want = p.detach() - old
-            worst = max(worst, float((got - old - want).abs().max() / want.abs().max().clamp_min(1e-30)))
+            worst = max(worst, float((got - old - want).norm() / want.norm().clamp_min(1e-30)))
     return worst
 
 
@@ -354,20 +357,25 @@ def format_report(report: dict[str, Any]) -> str:
         runs = sorted(report["runs"].items(), key=lambda kv: int(kv[0]))
         if not any(f"{layout}/muonkit" in run["rows"] for _, run in runs):
             continue
+        checked = layout not in DEFAULT_LAYOUTS  # today's tables stay as they were
         lines += [
             f"\n{layout.upper()}: optimizer step only (max over ranks; 'total' = sum over ranks)",
             f"{'W':>2} {'optimizer':<9} {'NS GFLOP/rank':>13} {'NS GFLOP total':>14} {'MB sent/rank':>12} "
-            f"{'collectives':>11} {'step ms':>9} {'step peak MB':>12} {'state MB/rank':>13}",
+            f"{'collectives':>11} {'step ms':>9} {'step peak MB':>12} {'state MB/rank':>13}"
+            + (f" {'vs 1-device':>11}" if checked else ""),
         ]
         for world_size, run in runs:
             rows = {name: run["rows"][f"{layout}/{name}"] for name in optimizers(layout)}
             for name, r in rows.items():
-                lines.append(_row(world_size, name, r))
+                lines.append(_row(world_size, name, r, checked=checked))
             mk = rows["muonkit"]
             for name, label in RATIOS.items():
                 if name in rows and "unsupported" not in rows[name] and "unsupported" not in mk:
                     lines.append(_ratios(label, rows[name], mk))
-        if layout not in DEFAULT_LAYOUTS:  # what the optimizers were handed (today's tables stay as they were)
+        if checked:  # what the optimizers were handed
+            lines.append(
+                "   vs 1-device: ||update - same optimizer on one device||_F / ||that||_F, first step, worst matrix"
+            )
             found = [run["rows"][f"{layout}/{n}"] for _, run in runs for n in optimizers(layout)]
             found = [r["placements"] for r in found if "placements" in r]
             for where, count in (found[0] if found else {}).items():
@@ -375,14 +383,16 @@ def format_report(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _row(world_size: str, name: str, r: dict[str, Any]) -> str:
+def _row(world_size: str, name: str, r: dict[str, Any], *, checked: bool) -> str:
     if "unsupported" in r:
         return f"{world_size:>2} {name:<9} unsupported: {r['unsupported'].splitlines()[0][:160]}"
+    error = r.get("update_error")
     return (
         f"{world_size:>2} {name:<9} {r['flops']['max'] / 1e9:>13.3f} {r['flops']['sum'] / 1e9:>14.3f} "
         f"{r['bytes_sent']['max'] / 1e6:>12.3f} {r['collectives']['max']:>11} "
         f"{r['step_s']['max'] * 1e3:>9.1f} {r['step_peak_bytes']['max'] / 1e6:>12.1f} "
         f"{r['state_bytes']['max'] / 1e6:>13.2f}"
+        + (f" {'-' if error is None else f'{error:.1e}':>11}" if checked else "")
     )
 
 

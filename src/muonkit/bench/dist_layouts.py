@@ -11,10 +11,11 @@ fsdp2       ``(W,)``                        ``fully_shard`` on every block and t
 hsdp        ``("replicate", "shard")``      ``fully_shard(..., mesh=mesh)`` on the 2-D mesh:
             ``= (2, W/2)``                  ``(Replicate(), Shard(0))``
 fsdp2-tp    ``("dp", "tp") = (W/2, 2)``     ``parallelize_module`` on ``mesh["tp"]``: ``c_attn``,
-                                            ``mlp.c_fc`` Colwise, both ``c_proj`` Rowwise; then
-                                            ``fully_shard`` on ``mesh["dp"]`` (hidden matrices end
-                                            on the 2-D mesh, ``_StridedShard``/``Shard``; the rest on
-                                            the 1-D ``dp`` sub-mesh)
+                                            ``mlp.c_fc``, ``lm_head`` Colwise, both ``c_proj`` and
+                                            the embeddings Rowwise, LayerNorms replicated; then
+                                            ``fully_shard`` on ``mesh["dp"]``: every tensor on the
+                                            2-D mesh (``(_StridedShard(0), Shard(0))`` for Colwise,
+                                            ``(Shard(0), Shard(1))`` for Rowwise)
 ep          ``("dp", "ep") = (W/2, 2)``     3-D expert stacks ``distribute_tensor(..., Shard(0))``
                                             over ``mesh["ep"]``, then ``fully_shard`` of the experts
                                             on ``mesh["dp"]`` on their dim 1; every other tensor
@@ -158,22 +159,48 @@ def build_layout(layout: str, model: nn.Module, world_size: int) -> tuple[nn.Mod
 
 
 def _tensor_parallel(model: nn.Module, tp_mesh: Any) -> None:
-    """Megatron-style TP of every block: QKV and MLP-in column-parallel, both projections row-parallel.
+    """Megatron-style TP of the whole model (as torchtitan does), so that every tensor lies on the
+    2-D mesh after ``fully_shard``: QKV and MLP-in column-parallel, both projections row-parallel,
+    the embeddings row-parallel (vocabulary / positions sharded), the head column-parallel, and the
+    LayerNorms replicated over ``tp`` (:func:`distribute_module`).
 
     ``c_attn`` gathers its output (``output_layouts=Replicate()``) so the fused Q, K, V split of
     the benchmark GPT's attention stays unchanged; the weights are sharded as in any TP plan.
     """
-    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor import Replicate, distribute_module
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+    gathered = Replicate()
+    parallelize_module(
+        model,
+        tp_mesh,
+        {
+            "wte": RowwiseParallel(input_layouts=gathered, output_layouts=gathered),
+            "wpe": RowwiseParallel(input_layouts=gathered, output_layouts=gathered),
+            "lm_head": ColwiseParallel(output_layouts=gathered),
+        },
+    )
     plan = {
-        "attn.c_attn": ColwiseParallel(output_layouts=Replicate()),
-        "attn.c_proj": RowwiseParallel(input_layouts=Replicate()),
+        "attn.c_attn": ColwiseParallel(output_layouts=gathered),
+        "attn.c_proj": RowwiseParallel(input_layouts=gathered),
         "mlp.c_fc": ColwiseParallel(),
         "mlp.c_proj": RowwiseParallel(),
     }
     for block in model.blocks:  # type: ignore[union-attr]
         parallelize_module(block, tp_mesh, plan)  # type: ignore[arg-type]
+    for module in model.modules():
+        if isinstance(module, nn.LayerNorm):
+            distribute_module(module, tp_mesh, input_fn=_replicated_inputs, output_fn=_local_output)
+
+
+def _replicated_inputs(module: nn.Module, inputs: tuple[Any, ...], mesh: Any) -> tuple[Any, ...]:
+    from torch.distributed.tensor import DTensor, Replicate
+
+    return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False) for x in inputs)
+
+
+def _local_output(module: nn.Module, output: Any, mesh: Any) -> Any:
+    return output.to_local()
 
 
 def _expert_parallel(model: nn.Module, mesh: Any) -> None:
