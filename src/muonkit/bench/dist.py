@@ -213,17 +213,17 @@ def _measure(layout: str, name: str, args: argparse.Namespace) -> dict[str, Any]
         backward()
         error = None
         if k == 0:
-            before, grads = _full_values(groups), _full_values(groups, grads=True)
+            old, grads = _full_values(groups), _full_values(groups, grads=True)
         try:
             opt.step()
         except Exception as e:  # e.g. an optimizer that rejects these params only when it steps
             error = e
         if k == 0:
             _agree(error, where)
-            after = _full_values(groups)
+            new = _full_values(groups)
             if dist.get_rank() == 0:
-                update_error = _update_error(name, groups, before, grads, after)
-            del before, grads, after
+                update_error = _update_error(name, groups, old, grads, new)
+            del old, grads, new
         elif error is not None:
             raise error
         opt.zero_grad()

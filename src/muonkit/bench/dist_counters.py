@@ -63,7 +63,8 @@ def _group(namespace: str, args: tuple[Any, ...]) -> tuple[int, int]:
                 group = dist.ProcessGroup.unbox(arg)
                 return group.size(), group.rank()
     if namespace != "c10d" and args and isinstance(args[-1], str):  # functional ones its name, last
-        group = dist.distributed_c10d._resolve_process_group(args[-1])
+        name: Any = args[-1]
+        group = dist.distributed_c10d._resolve_process_group(name)
         return group.size(), group.rank()
     return dist.get_world_size(), dist.get_rank()
 

@@ -81,7 +81,8 @@ class Experts(nn.Module):
         self.w_proj = nn.Parameter(torch.randn(num_experts, n_embd, hidden) * 0.02)
 
     def forward(self, x: Tensor, gate: Tensor) -> Tensor:
-        w_fc, w_proj = self.w_fc, self.w_proj
+        w_fc: Any = self.w_fc
+        w_proj: Any = self.w_proj
         if hasattr(w_fc, "to_local"):  # DTensor over "ep": this rank's experts only
             group = w_fc.device_mesh.get_group()
             first = torch.distributed.get_rank(group) * w_fc.to_local().size(0)
@@ -122,14 +123,14 @@ def build_model(layout: str, args: argparse.Namespace) -> nn.Module:
     model = GPT(config)
     if layout == "ep":
         for block in model.blocks:
-            block.mlp = MoE(config.n_embd, NUM_EXPERTS)  # type: ignore[assignment]
+            block.mlp = MoE(config.n_embd, NUM_EXPERTS)
     return model
 
 
 # ---------------------------------------------------------------------------------------- layouts
 
 
-def build_layout(layout: str, model: nn.Module, world_size: int) -> tuple[nn.Module, Any]:
+def build_layout(layout: str, model: nn.Module, world_size: int) -> tuple[Any, Any]:
     """Wrap ``model`` for ``layout`` on ``world_size`` ranks; returns ``(wrapped, mesh or None)``."""
     if layout == "ddp":
         from torch.nn.parallel import DistributedDataParallel
@@ -187,10 +188,11 @@ def _tensor_parallel(model: nn.Module, tp_mesh: Any) -> None:
         "mlp.c_proj": RowwiseParallel(),
     }
     for block in model.blocks:  # type: ignore[union-attr]
-        parallelize_module(block, tp_mesh, plan)  # type: ignore[arg-type]
+        parallelize_module(block, tp_mesh, plan)
     for module in model.modules():
         if isinstance(module, nn.LayerNorm):
-            distribute_module(module, tp_mesh, input_fn=_replicated_inputs, output_fn=_local_output)
+            inputs: Any = _replicated_inputs  # torch's stub types input_fn as returning None
+            distribute_module(module, tp_mesh, input_fn=inputs, output_fn=_local_output)
 
 
 def _replicated_inputs(module: nn.Module, inputs: tuple[Any, ...], mesh: Any) -> tuple[Any, ...]:
@@ -221,7 +223,8 @@ def placements(model: nn.Module, groups: list[dict[str, Any]]) -> dict[str, int]
     """``"mesh dims: placements" -> count`` of the Muon params (what the optimizer is handed)."""
     muon = {id(p) for g in groups if g.get("algorithm") == "muon" for p in g["params"]}
     found: Counter[str] = Counter()
-    for p in model.parameters():
+    for param in model.parameters():
+        p: Any = param
         if id(p) not in muon:
             continue
         if hasattr(p, "device_mesh"):
@@ -253,7 +256,7 @@ class ReplicaMuon:
         import muonkit
 
         self.mesh = mesh["shard"]
-        self._pairs: list[tuple[Tensor, Tensor]] = []
+        self._pairs: list[tuple[Any, Any]] = []
         views = []
         for group in groups:
             views.append({**group, "params": [self._view(p) for p in group["params"]]})
@@ -266,7 +269,7 @@ class ReplicaMuon:
         if tuple(param.placements) != (Replicate(), Shard(0)):
             raise ValueError(f"ReplicaMuon needs HSDP params (Replicate(), Shard(0)); got {param.placements}")
         local = param.to_local()
-        view = nn.Parameter(
+        view: Any = nn.Parameter(
             DTensor.from_local(local, self.mesh, [Shard(0)], run_check=False, shape=param.shape, stride=param.stride())
         )
         assert view.to_local().data_ptr() == local.data_ptr() or local.numel() == 0  # shares storage
@@ -281,7 +284,7 @@ class ReplicaMuon:
         from torch.distributed.tensor import DTensor, Shard
 
         for param, view in self._pairs:
-            grad = param.grad
+            grad: Any = param.grad
             view.grad = None if grad is None else DTensor.from_local(
                 grad.to_local(), self.mesh, [Shard(0)], run_check=False, shape=param.shape, stride=param.stride()
             )  # fmt: skip
