@@ -1,14 +1,22 @@
-"""``muonkit bench dist``: muonkit vs torch.optim.Muon under DDP and FSDP2, W = 2 and 4 CPU ranks.
+"""``muonkit bench dist``: muonkit vs torch.optim.Muon under DDP and FSDP2, W = 2 and 4 CPU ranks,
+and with ``--layouts`` on the 2-D meshes of HSDP, FSDP2 + TP and EP (:mod:`muonkit.bench.dist_layouts`).
 
 The command launches itself under ``torchrun`` (gloo, one thread per rank) once per world size.
-Each rank trains the benchmark GPT (:mod:`muonkit.bench.model`) with both optimizers on both
-layouts, routed by :func:`muonkit.param_groups`:
+Each rank trains the benchmark GPT (:mod:`muonkit.bench.model`) with both optimizers on each
+layout, routed by :func:`muonkit.param_groups`:
 
 - ``muonkit``: :class:`muonkit.HybridMuon` (``process_group=WORLD`` under DDP; picks the DTensor
   strategy by itself under FSDP2), Keller's coefficients and 5 steps like torch's;
 - ``torch``: ``torch.optim.Muon`` on the Muon groups + ``torch.optim.AdamW`` on the rest, the
   same tensors. Under DDP it issues no collectives and orthogonalizes every matrix on every rank;
-  under FSDP2 it runs on DTensors, whose matmuls redistribute implicitly.
+  under FSDP2 it runs on DTensors, whose matmuls redistribute implicitly;
+- ``replicas`` (HSDP only): :class:`~muonkit.bench.dist_layouts.ReplicaMuon`, HybridMuon run once
+  per replica group over its shard sub-mesh (what torchtitan and dion do under HSDP).
+
+An optimizer that raises on a layout (when built or on its first step) is reported as
+``unsupported: <message>`` and the run goes on. On the 2-D layouts each row also states how far
+its first update is from the same optimizer's on one device (``vs 1-device``), so that an
+optimizer that runs but computes something else shows it, and which placements it was handed.
 
 What is measured per rank, for the optimizer step only (forward/backward are outside):
 
