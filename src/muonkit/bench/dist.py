@@ -1,14 +1,22 @@
-"""``muonkit bench dist``: muonkit vs torch.optim.Muon under DDP and FSDP2, W = 2 and 4 CPU ranks.
+"""``muonkit bench dist``: muonkit vs torch.optim.Muon under DDP and FSDP2, W = 2 and 4 CPU ranks,
+and with ``--layouts`` on the 2-D meshes of HSDP, FSDP2 + TP and EP (:mod:`muonkit.bench.dist_layouts`).
 
 The command launches itself under ``torchrun`` (gloo, one thread per rank) once per world size.
-Each rank trains the benchmark GPT (:mod:`muonkit.bench.model`) with both optimizers on both
-layouts, routed by :func:`muonkit.param_groups`:
+Each rank trains the benchmark GPT (:mod:`muonkit.bench.model`) with both optimizers on each
+layout, routed by :func:`muonkit.param_groups`:
 
 - ``muonkit``: :class:`muonkit.HybridMuon` (``process_group=WORLD`` under DDP; picks the DTensor
   strategy by itself under FSDP2), Keller's coefficients and 5 steps like torch's;
 - ``torch``: ``torch.optim.Muon`` on the Muon groups + ``torch.optim.AdamW`` on the rest, the
   same tensors. Under DDP it issues no collectives and orthogonalizes every matrix on every rank;
-  under FSDP2 it runs on DTensors, whose matmuls redistribute implicitly.
+  under FSDP2 it runs on DTensors, whose matmuls redistribute implicitly;
+- ``replicas`` (HSDP only): :class:`~muonkit.bench.dist_layouts.ReplicaMuon`, HybridMuon run once
+  per replica group over its shard sub-mesh (what torchtitan and dion do under HSDP).
+
+An optimizer that raises on a layout (when built or on its first step) is reported as
+``unsupported: <message>`` and the run goes on. On the 2-D layouts each row also states how far
+its first update is from the same optimizer's on one device (``vs 1-device``), so that an
+optimizer that runs but computes something else shows it, and which placements it was handed.
 
 What is measured per rank, for the optimizer step only (forward/backward are outside):
 
@@ -27,23 +35,37 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import statistics
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
 from muonkit.bench.launch import add_worker_arguments, torchrun_worker, write_report
 
-HELP = "DDP and FSDP2 on 2 and 4 CPU ranks: muonkit vs torch.optim.Muon (FLOPs, bytes, step time, memory)"
-LAYOUTS = ("ddp", "fsdp2")
+HELP = (
+    "DDP and FSDP2 on 2 and 4 CPU ranks (and HSDP, FSDP2+TP, EP with --layouts): muonkit vs torch.optim.Muon "
+    "(FLOPs, bytes, step time, memory)"
+)
+LAYOUTS = ("ddp", "fsdp2", "hsdp", "fsdp2-tp", "ep")
+DEFAULT_LAYOUTS = ("ddp", "fsdp2")
 OPTIMIZERS = ("muonkit", "torch")
+
+
+def optimizers(layout: str) -> tuple[str, ...]:
+    """The rows of a layout: HSDP adds ``replicas``, Newton-Schulz repeated in every replica group."""
+    return (*OPTIMIZERS, "replicas") if layout == "hsdp" else OPTIMIZERS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4], help="ranks per run (default: 2 4)")
-    parser.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS))
+    parser.add_argument(
+        "--layouts", nargs="+", choices=LAYOUTS, default=list(DEFAULT_LAYOUTS),
+        help="default: ddp fsdp2; hsdp, fsdp2-tp and ep build 2 x W/2 meshes (even W >= 4)",
+    )  # fmt: skip
     add_worker_arguments(parser, batch_help="sequences per rank per step")
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (at least 1)")
     parser.add_argument("--steps", type=int, default=5, help="timed optimizer steps")
     parser.add_argument("--out", default="runs/dist", help="directory for dist.json")
 
@@ -51,8 +73,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     if args.worker:
         return _worker(args)
+    from muonkit.bench.dist_layouts import check_world_size
     from muonkit.bench.environment import environment
 
+    problem = check_world_size(args.layouts, args.world_sizes)
+    if problem:
+        raise ValueError(f"Invalid --world-sizes for --layouts: {problem}")
     runs = {w: _launch(w, args) for w in args.world_sizes}
     report = {"setup": _setup(args), "environment": environment(), "runs": runs}
     write_report(args.out, "dist", report, format_report(report))
@@ -93,8 +119,15 @@ def _worker(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    # DTensor warns on every rank about torch.optim.Muon's sequential all-reduces on 2-D meshes (counted here)
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")  # the logits
     dist.init_process_group("gloo")
-    rows = {f"{layout}/{name}": _measure(layout, name, args) for layout in args.layouts for name in OPTIMIZERS}
+    rows = {
+        f"{layout}/{name}": _measure_or_report(layout, name, args)
+        for layout in args.layouts
+        for name in optimizers(layout)
+    }
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, rows)
     if dist.get_rank() == 0:
@@ -106,34 +139,62 @@ def _worker(args: argparse.Namespace) -> int:
     return 0
 
 
-def _build(layout: str, name: str, args: argparse.Namespace) -> tuple[Any, Any]:
-    import torch
+class Unsupported(Exception):
+    """An optimizer that raised on some rank while being built or stepped on a layout."""
+
+    def __init__(self, message: str, placements: dict[str, int]) -> None:
+        super().__init__(message)
+        self.placements = placements
+
+
+def _agree(error: BaseException | None, placements: dict[str, int]) -> None:
+    """Raise :class:`Unsupported` on every rank if any rank failed (so that no rank waits alone)."""
+    import torch.distributed as dist
+
+    message = None if error is None else f"{type(error).__name__}: {error}"
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, message)
+    failed = [m for m in gathered if m is not None]
+    if failed:
+        raise Unsupported(failed[0], placements)
+
+
+def _measure_or_report(layout: str, name: str, args: argparse.Namespace) -> dict[str, Any]:
+    """The row of ``name`` on ``layout``, or ``{"unsupported": message}`` if it raised (the run goes on)."""
+    import gc
+
+    try:
+        return _measure(layout, name, args)
+    except Unsupported as e:
+        gc.collect()
+        return {"unsupported": str(e), "placements": e.placements}
+
+
+def _build(layout: str, name: str, args: argparse.Namespace) -> tuple[Any, Any, list[dict[str, Any]], dict[str, int]]:
     import torch.distributed as dist
 
     import muonkit
-    from muonkit.bench.model import GPT, GPTConfig
+    from muonkit.bench.dist_layouts import ReplicaMuon, build_layout, build_model, placements
     from muonkit.bench.peers import TorchMuonAdamW
 
-    torch.manual_seed(0)
-    config = GPTConfig(
-        vocab_size=args.vocab, block_size=args.seq, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd
-    )
-    model = GPT(config)
-    if layout == "ddp":
-        from torch.nn.parallel import DistributedDataParallel
-
-        wrapped: Any = DistributedDataParallel(model)
-    else:
-        from torch.distributed.fsdp import fully_shard
-
-        for block in model.blocks:
-            fully_shard(block)
-        wrapped = fully_shard(model)
+    model = build_model(layout, args)
+    wrapped, mesh = build_layout(layout, model, dist.get_world_size())
     groups = muonkit.param_groups(model, lr=0.02, adamw_lr=3e-4)
-    if name == "torch":
-        return wrapped, TorchMuonAdamW(groups)
-    group = dist.group.WORLD if layout == "ddp" else None  # FSDP2: picked from the DTensors
-    return wrapped, muonkit.HybridMuon(groups, ns_coefficients="keller", ns_steps=5, process_group=group)
+    where = placements(model, groups)
+    error = None
+    opt: Any = None
+    try:
+        if name == "torch":
+            opt = TorchMuonAdamW(groups)
+        elif name == "replicas":
+            opt = ReplicaMuon(groups, mesh, ns_coefficients="keller", ns_steps=5)
+        else:
+            group = dist.group.WORLD if layout == "ddp" else None  # DTensors: picked from their mesh
+            opt = muonkit.HybridMuon(groups, ns_coefficients="keller", ns_steps=5, process_group=group)
+    except Exception as e:  # reported as "unsupported: <message>"
+        error = e
+    _agree(error, where)
+    return wrapped, opt, groups, where
 
 
 def _measure(layout: str, name: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -145,17 +206,34 @@ def _measure(layout: str, name: str, args: argparse.Namespace) -> dict[str, Any]
     from muonkit.bench.dist_counters import StepCounter
     from muonkit.bench.memory_probe import reset_peak, rss_bytes
 
-    wrapped, opt = _build(layout, name, args)
-    generator = torch.Generator().manual_seed(1 + dist.get_rank())
+    wrapped, opt, groups, where = _build(layout, name, args)
+    # tensor-parallel ranks of one data-parallel group must see the same tokens
+    data_rank = dist.get_rank() // 2 if layout == "fsdp2-tp" else dist.get_rank()
+    generator = torch.Generator().manual_seed(1 + data_rank)
 
     def backward(model: Any = wrapped) -> None:
         idx = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=generator)
         _, loss = model(idx[:, :-1], idx[:, 1:])
         loss.backward()
 
-    for _ in range(args.warmup):
+    update_error = None
+    for k in range(max(1, args.warmup)):  # the first step shows whether the optimizer runs here at all
         backward()
-        opt.step()
+        error = None
+        if k == 0:
+            old, grads = _full_values(groups), _full_values(groups, grads=True)
+        try:
+            opt.step()
+        except Exception as e:  # e.g. an optimizer that rejects these params only when it steps
+            error = e
+        if k == 0:
+            _agree(error, where)
+            new = _full_values(groups)
+            if dist.get_rank() == 0:
+                update_error = _update_error(name, groups, old, grads, new)
+            del old, grads, new
+        elif error is not None:
+            raise error
         opt.zero_grad()
     stats = getattr(opt, "strategy", None)
     before = (stats.stats.flops, stats.stats.bytes_sent, stats.stats.collectives) if stats else None
@@ -195,10 +273,61 @@ def _measure(layout: str, name: str, args: argparse.Namespace) -> dict[str, Any]
         "step_s": statistics.median(times),
         "step_peak_bytes": peak - rss_before,
         "state_bytes": _state_bytes(opt),
+        "placements": where,
+        "update_error": update_error,
     }
     del wrapped, opt
     gc.collect()
     return row
+
+
+def _full_values(groups: list[dict[str, Any]], *, grads: bool = False) -> list[list[Any]]:
+    """Whole copies of every param (or grad) of ``groups``, on every rank (DTensors gathered)."""
+    out = []
+    for group in groups:
+        values = []
+        for p in group["params"]:
+            t = p.grad if grads else p.detach()
+            t = t.full_tensor() if hasattr(t, "full_tensor") else t
+            values.append(None if t is None else t.detach().clone())
+        out.append(values)
+    return out
+
+
+def _update_error(
+    name: str, groups: list[dict[str, Any]], before: list[list[Any]], grads: list[list[Any]], after: list[list[Any]]
+) -> float:
+    """max over Muon params of ``||update - reference||_F / ||reference||_F`` after the first step: the
+    reference is the same optimizer on one device, fresh, stepping whole copies of the params with
+    the whole gradients.
+
+    0 (or bf16 rounding) when the layout changes nothing; ~1 when it silently computes something
+    else (e.g. orthogonalizes each shard instead of the whole matrix)."""
+    import torch
+
+    import muonkit
+    from muonkit.bench.peers import TorchMuonAdamW
+    from muonkit.distributed import SingleDeviceStrategy
+
+    plain = []
+    for group, values, gs in zip(groups, before, grads, strict=True):
+        params = [torch.nn.Parameter(v.clone()) for v in values]
+        for p, g in zip(params, gs, strict=True):
+            p.grad = g
+        plain.append({**group, "params": params})
+    if name == "torch":
+        ref: Any = TorchMuonAdamW(plain)
+    else:
+        ref = muonkit.HybridMuon(plain, ns_coefficients="keller", ns_steps=5, strategy=SingleDeviceStrategy())
+    ref.step()
+    worst = 0.0
+    for group, values, new in zip(plain, before, after, strict=True):
+        if group["algorithm"] != "muon":
+            continue
+        for p, old, got in zip(group["params"], values, new, strict=True):
+            want = p.detach() - old
+            worst = max(worst, float((got - old - want).norm() / want.norm().clamp_min(1e-30)))
+    return worst
 
 
 def _state_bytes(opt: Any) -> int:
@@ -213,44 +342,75 @@ def _state_bytes(opt: Any) -> int:
 
 def _merge(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     """Per-rank values -> max (the slowest / busiest rank) and sum over ranks."""
+    if "unsupported" in per_rank[0]:  # every rank agreed on it (see _agree)
+        return {"unsupported": per_rank[0]["unsupported"], "placements": per_rank[0]["placements"]}
     merged: dict[str, Any] = {"per_rank": per_rank}
     for key in ("flops", "bytes_sent", "collectives", "step_s", "step_peak_bytes", "state_bytes"):
         values = [r[key] for r in per_rank]
         merged[key] = {"max": max(values), "sum": sum(values)}
+    merged["placements"] = per_rank[0]["placements"]
+    merged["update_error"] = max((r["update_error"] for r in per_rank if r["update_error"] is not None), default=None)
     return merged
 
 
 # ---------------------------------------------------------------------------------------- tables
 
+RATIOS = {"torch": "torch/mk", "replicas": "repl/mk"}
+
 
 def format_report(report: dict[str, Any]) -> str:
-    """One table per layout; ratios are torch / muonkit within the same run."""
+    """One table per layout; ratios are torch / muonkit and replicas / muonkit within the same run."""
     lines = []
     for layout in LAYOUTS:
-        if not any(f"{layout}/muonkit" in run["rows"] for run in report["runs"].values()):
+        runs = sorted(report["runs"].items(), key=lambda kv: int(kv[0]))
+        if not any(f"{layout}/muonkit" in run["rows"] for _, run in runs):
             continue
+        checked = layout not in DEFAULT_LAYOUTS  # today's tables stay as they were
         lines += [
             f"\n{layout.upper()}: optimizer step only (max over ranks; 'total' = sum over ranks)",
             f"{'W':>2} {'optimizer':<9} {'NS GFLOP/rank':>13} {'NS GFLOP total':>14} {'MB sent/rank':>12} "
-            f"{'collectives':>11} {'step ms':>9} {'step peak MB':>12} {'state MB/rank':>13}",
+            f"{'collectives':>11} {'step ms':>9} {'step peak MB':>12} {'state MB/rank':>13}"
+            + (f" {'vs 1-device':>11}" if checked else ""),
         ]
-        for world_size, run in sorted(report["runs"].items(), key=lambda kv: int(kv[0])):
-            rows = {name: run["rows"][f"{layout}/{name}"] for name in OPTIMIZERS}
+        for world_size, run in runs:
+            rows = {name: run["rows"][f"{layout}/{name}"] for name in optimizers(layout)}
             for name, r in rows.items():
-                lines.append(
-                    f"{world_size:>2} {name:<9} {r['flops']['max'] / 1e9:>13.3f} {r['flops']['sum'] / 1e9:>14.3f} "
-                    f"{r['bytes_sent']['max'] / 1e6:>12.3f} {r['collectives']['max']:>11} "
-                    f"{r['step_s']['max'] * 1e3:>9.1f} {r['step_peak_bytes']['max'] / 1e6:>12.1f} "
-                    f"{r['state_bytes']['max'] / 1e6:>13.2f}"
-                )
-            mk, th = rows["muonkit"], rows["torch"]
+                lines.append(_row(world_size, name, r, checked=checked))
+            mk = rows["muonkit"]
+            for name, label in RATIOS.items():
+                if name in rows and "unsupported" not in rows[name] and "unsupported" not in mk:
+                    lines.append(_ratios(label, rows[name], mk))
+        if checked:  # what the optimizers were handed
             lines.append(
-                f"{'':>2} {'torch/mk':<9} {_ratio(th['flops']['max'], mk['flops']['max']):>13} "
-                f"{_ratio(th['flops']['sum'], mk['flops']['sum']):>14} "
-                f"{_ratio(th['bytes_sent']['max'], mk['bytes_sent']['max']):>12} {'':>11} "
-                f"{_ratio(th['step_s']['max'], mk['step_s']['max']):>9}"
+                "   vs 1-device: ||update - same optimizer on one device||_F / ||that||_F, first step, worst matrix"
             )
+            found = [run["rows"][f"{layout}/{n}"] for _, run in runs for n in optimizers(layout)]
+            found = [r["placements"] for r in found if "placements" in r]
+            for where, count in (found[0] if found else {}).items():
+                lines.append(f"   Muon params: {count} x {where}")
     return "\n".join(lines)
+
+
+def _row(world_size: str, name: str, r: dict[str, Any], *, checked: bool) -> str:
+    if "unsupported" in r:
+        return f"{world_size:>2} {name:<9} unsupported: {r['unsupported'].splitlines()[0][:160]}"
+    error = r.get("update_error")
+    return (
+        f"{world_size:>2} {name:<9} {r['flops']['max'] / 1e9:>13.3f} {r['flops']['sum'] / 1e9:>14.3f} "
+        f"{r['bytes_sent']['max'] / 1e6:>12.3f} {r['collectives']['max']:>11} "
+        f"{r['step_s']['max'] * 1e3:>9.1f} {r['step_peak_bytes']['max'] / 1e6:>12.1f} "
+        f"{r['state_bytes']['max'] / 1e6:>13.2f}"
+        + (f" {'-' if error is None else f'{error:.1e}':>11}" if checked else "")
+    )
+
+
+def _ratios(label: str, other: dict[str, Any], mk: dict[str, Any]) -> str:
+    return (
+        f"{'':>2} {label:<9} {_ratio(other['flops']['max'], mk['flops']['max']):>13} "
+        f"{_ratio(other['flops']['sum'], mk['flops']['sum']):>14} "
+        f"{_ratio(other['bytes_sent']['max'], mk['bytes_sent']['max']):>12} {'':>11} "
+        f"{_ratio(other['step_s']['max'], mk['step_s']['max']):>9}"
+    )
 
 
 def _ratio(a: float, b: float) -> str:
