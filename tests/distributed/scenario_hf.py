@@ -8,9 +8,12 @@ would drift apart if a rank skipped or repeated a matrix), and a finite training
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from harness import Context, check
+from torch import Tensor
 
 STEPS = 3
 
@@ -58,3 +61,235 @@ def muon_trainer_under_ddp(ctx: Context) -> None:
     assert all(torch.equal(gathered[0], g) for g in gathered[1:]), "params differ across ranks"
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
     assert len(losses) == STEPS and all(torch.isfinite(torch.tensor(losses))), losses
+
+
+FSDP_STEPS = 4
+CONFIG = {"model_type": "qwen2", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128,
+          "tie_word_embeddings": False}  # fmt: skip
+
+
+def _qwen() -> Any:
+    from muonkit.integrations.transformers import model_from_config
+
+    torch.manual_seed(0)
+    return model_from_config(CONFIG, device="cpu")
+
+
+def _fsdp2_args(ctx: Context, name: str, **kw: Any) -> Any:
+    import transformers
+
+    defaults = dict(
+        output_dir=str(ctx.out_dir / name), max_steps=FSDP_STEPS, per_device_train_batch_size=2,
+        gradient_accumulation_steps=2, learning_rate=1e-3, weight_decay=0.01, lr_scheduler_type="constant",
+        max_grad_norm=1.0, report_to="none", save_strategy="steps", save_steps=2, use_cpu=True, logging_steps=1,
+        seed=0, data_seed=0, ddp_backend="gloo", disable_tqdm=True,
+        fsdp="full_shard", fsdp_config={"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["Qwen2DecoderLayer"],
+                     "state_dict_type": "SHARDED_STATE_DICT"},
+    )  # fmt: skip
+    return transformers.TrainingArguments(**{**defaults, **kw})
+
+
+def _recording_trainer() -> type:
+    """MuonTrainer that records each micro-batch, its token count and its loss (to replay them natively)."""
+    from muonkit.integrations.transformers import MuonTrainer
+
+    class Recording(MuonTrainer):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.seen: list[tuple[dict[str, Tensor], Any, float]] = []
+
+        def create_accelerator_and_postprocess(self) -> None:
+            super().create_accelerator_and_postprocess()
+            _force_fsdp_on_cpu(self)
+
+        def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None):  # type: ignore[no-untyped-def]
+            batch = {k: v.clone() for k, v in inputs.items()}
+            loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            value = loss[0] if return_outputs else loss
+            self.seen.append((batch, num_items_in_batch, float(value.detach())))
+            return loss
+
+    return Recording
+
+
+def _force_fsdp_on_cpu(trainer: Any) -> None:
+    """Run accelerate's real FSDP2 path on CPU ranks.
+
+    accelerate 1.15 turns FSDP on only for accelerator devices: on ``MULTI_CPU`` it drops the
+    Trainer's FSDP plugin without a word and trains with DDP. Everything FSDP2 does (``prepare``
+    swapping the optimizer's params for DTensors, the sharded forward and backward, checkpoint
+    save and load) runs on CPU with gloo once the state says FSDP, as it does on GPUs.
+    """
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    state = trainer.accelerator.state
+    assert state.distributed_type == DistributedType.MULTI_CPU, state.distributed_type
+    state.distributed_type = DistributedType.FSDP
+    state.fsdp_plugin = FullyShardedDataParallelPlugin(**trainer.args.fsdp_plugin_args)
+    trainer.is_fsdp_enabled = True
+
+
+def _data() -> list[dict[str, Tensor]]:
+    ids = torch.randint(0, 128, (64, 16), generator=torch.Generator().manual_seed(1))
+    return [{"input_ids": x, "labels": x} for x in ids]
+
+
+def _full_weights(model: Any) -> dict[str, Tensor]:
+    from torch.distributed.tensor import DTensor
+
+    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in model.named_parameters()}
+
+
+def _muon_matrices(optimizer: Any) -> int:
+    return sum(
+        p.shape[0] if p.ndim == 3 else 1
+        for g in optimizer.param_groups
+        if g["algorithm"] == "muon"
+        for p in g["params"]
+    )
+
+
+def _inner(optimizer: Any) -> Any:
+    while hasattr(optimizer, "optimizer"):  # accelerate's AcceleratedOptimizer
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+@check(2)
+def muon_trainer_under_accelerate_fsdp2_equals_native_fully_shard(ctx: Context) -> None:
+    """Trainer + accelerate FSDP2 (the optimizer is built before accelerate swaps the params for
+    DTensors) trains exactly as native ``fully_shard`` + HybridMuon on the same micro-batches, and
+    resuming from its checkpoint through the Trainer lands on the same weights."""
+    from torch.distributed.fsdp import fully_shard
+
+    from muonkit.integrations.transformers import make_optimizer
+
+    recording = _recording_trainer()
+    trainer = recording(model=_qwen(), args=_fsdp2_args(ctx, "fsdp2"), train_dataset=_data())
+    trainer.train()
+    optimizer = _inner(trainer.optimizer)
+    assert all(type(p).__name__ == "DTensor" for g in optimizer.param_groups for p in g["params"]), [
+        type(p) for g in optimizer.param_groups for p in g["params"]
+    ]
+    assert optimizer.strategy.name == "fsdp2", optimizer.strategy.name
+    total = torch.tensor([optimizer.strategy.stats.matrices])
+    dist.all_reduce(total)
+    assert total.item() == FSDP_STEPS * _muon_matrices(optimizer), (total.item(), _muon_matrices(optimizer))
+    trained = _full_weights(trainer.model)
+    initial = _full_weights(_qwen())
+    assert all(not torch.equal(trained[n], initial[n]) for n in trained), "a param did not train"
+    seen = trainer.seen
+    assert len(seen) == FSDP_STEPS * 2, len(seen)
+
+    # The same micro-batches through native fully_shard + HybridMuon, the Trainer's loss arithmetic.
+    model = _qwen()
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    native = make_optimizer(model, trainer.args)  # process_group=WORLD by itself: checked against the mesh
+    losses = []
+    for step in range(FSDP_STEPS):
+        for batch, items, _ in seen[2 * step : 2 * step + 2]:
+            loss = model(**batch, num_items_in_batch=items).loss * ctx.world_size
+            losses.append(float(loss.detach()))
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        native.step()
+        native.zero_grad()
+    assert native.strategy.name == "fsdp2", native.strategy.name
+    recorded = [loss for _, _, loss in seen]
+    assert losses == recorded, (losses, recorded)
+    reached = _full_weights(model)
+    moved = {n: (trained[n] - reached[n]).abs().max().item() for n in trained}
+    assert all(d == 0.0 for d in moved.values()), moved
+
+    # Resume from the step-2 checkpoint through the Trainer: the same last two steps.
+    resumed = recording(model=_qwen(), args=_fsdp2_args(ctx, "fsdp2"), train_dataset=_data())
+    resumed.train(resume_from_checkpoint=str(ctx.out_dir / "fsdp2" / "checkpoint-2"))
+    assert [loss for _, _, loss in resumed.seen] == recorded[4:], ([x for *_, x in resumed.seen], recorded[4:])
+    again = _full_weights(resumed.model)
+    moved = {n: (trained[n] - again[n]).abs().max().item() for n in trained}
+    assert all(d == 0.0 for d in moved.values()), moved
+
+
+def _built_before_torch_distributed(build: Any) -> Any:
+    """``build()`` as if torch.distributed were not initialized yet (under ``accelerate launch`` /
+    ``torchrun`` an optimizer built before ``Accelerator()`` sees no process group)."""
+    initialized = dist.is_initialized
+    dist.is_initialized = lambda: False  # type: ignore[assignment]
+    try:
+        return build()
+    finally:
+        dist.is_initialized = initialized  # type: ignore[assignment]
+
+
+def _accelerator(fsdp2: bool) -> Any:
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    AcceleratorState._reset_state(reset_partial_state=True)  # the Trainers before left theirs
+    accelerator = Accelerator(cpu=True)
+    if fsdp2:  # as in _force_fsdp_on_cpu: accelerate turns FSDP on only for accelerator devices
+        plugin = FullyShardedDataParallelPlugin(fsdp_version=2, transformer_cls_names_to_wrap="Qwen2DecoderLayer")
+        accelerator.state.distributed_type = DistributedType.FSDP
+        accelerator.state.fsdp_plugin = plugin
+    return accelerator
+
+
+@check(2)
+def accelerate_prepare_after_the_optimizer_picks_the_strategy_at_the_first_step(ctx: Context) -> None:
+    """An optimizer built before ``Accelerator()`` (no process group yet), then ``prepare``d with
+    FSDP2: every matrix is orthogonalized once over the ranks (before, every rank did every one)."""
+    import muonkit
+
+    model = _qwen()
+    opt = _built_before_torch_distributed(lambda: muonkit.HybridMuon(muonkit.param_groups(model)))
+    accelerator = _accelerator(fsdp2=True)
+    model, prepared = accelerator.prepare(model, opt)
+    data = _data()
+    steps = 3
+    for step in range(steps):
+        batch = data[step * ctx.world_size + ctx.rank]
+        loss = model(input_ids=batch["input_ids"][None], labels=batch["labels"][None]).loss
+        accelerator.backward(loss)
+        prepared.step()
+        prepared.zero_grad()
+    assert opt.strategy.name == "fsdp2", opt.strategy.name
+    total = torch.tensor([opt.strategy.stats.matrices])
+    dist.all_reduce(total)
+    assert total.item() == steps * _muon_matrices(opt), (total.item(), steps, _muon_matrices(opt))
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+@check(2)
+def accelerate_ddp_prepare_after_the_optimizer_raises_at_the_first_step(ctx: Context) -> None:
+    """The same under accelerate's DDP: plain params cannot say whether they are replicated, so the
+    first step raises, naming what to pass, and changes nothing (before, every rank silently
+    orthogonalized every matrix)."""
+    import muonkit
+
+    model = _qwen()
+    opt = _built_before_torch_distributed(lambda: muonkit.HybridMuon(muonkit.param_groups(model)))
+    accelerator = _accelerator(fsdp2=False)
+    model, prepared = accelerator.prepare(model, opt)
+    assert isinstance(model, torch.nn.parallel.DistributedDataParallel), type(model)
+    batch = _data()[ctx.rank]
+    accelerator.backward(model(input_ids=batch["input_ids"][None], labels=batch["labels"][None]).loss)
+    before = [p.detach().clone() for p in model.parameters()]
+    try:
+        prepared.step()
+    except ValueError as e:
+        message = str(e)
+        assert "Pass process_group=torch.distributed.group.WORLD" in message, message
+        assert "built before torch.distributed was initialized" in message, message
+    else:
+        raise AssertionError(f"no error on rank {ctx.rank}: strategy {opt.strategy.name}")
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True)), "a param changed"
+    assert not opt.state, "state was created"
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
