@@ -167,6 +167,33 @@ class HybridMuon(Optimizer):
         """
         self._strategy = strategy
 
+    def _strategy_for_step(self, has_grad: list[bool], settings: Callable[[], Sequence[Any]]) -> Strategy:
+        if self._strategy is None:
+            try:
+                self._strategy = self._choose_strategy()
+            except ValueError:
+                self._agree_before_refusing(has_grad, settings)
+                raise
+        return self._strategy
+
+    def _agree_before_refusing(self, has_grad: list[bool], settings: Callable[[], Sequence[Any]]) -> None:
+        """Join the other ranks' agreement before refusing a mix of DTensor and plain params.
+
+        Ranks whose params differ (one holds a plain tensor beside the DTensors) choose differently:
+        those that chose wait in their strategy's agreement collective. A strategy for the DTensors
+        alone joins it, so that every rank raises the agreement's error instead of hanging; where
+        all ranks hold the same mix, the agreement passes and every rank refuses it alike.
+        """
+        params = self._all_params()
+        sharded = _dtensors(params)
+        if not sharded or len(sharded) == len(params):
+            return
+        try:
+            probe = select_strategy(sharded, process_group=self._process_group)
+        except (ValueError, NotImplementedError):
+            return  # the DTensors alone are refused too: on every rank that holds them
+        probe.check_participation(has_grad, settings)
+
     def _all_params(self) -> list[Tensor]:
         return [p for g in self.param_groups for p in g["params"]]
 
@@ -175,7 +202,7 @@ class HybridMuon(Optimizer):
         try:
             return select_strategy(params, process_group=self._process_group)
         except ValueError as e:
-            if self._built_distributed or self._process_group is not None or _dtensors_among(params):
+            if self._built_distributed or self._process_group is not None or _dtensors(params):
                 raise
             raise ValueError(
                 f"{e} This HybridMuon was built before torch.distributed was initialized (e.g. before "
@@ -243,12 +270,11 @@ class HybridMuon(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         configs = [group_config(g, i) for i, g in enumerate(self.param_groups)]
-        strategy = self.strategy  # chosen at the first step, from the params held now
+        has_grad = [p.grad is not None for g in self.param_groups for p in g["params"]]
+        settings = functools.partial(settings_of, configs, self.param_groups, nonfinite=self.nonfinite)
+        strategy = self._strategy_for_step(has_grad, settings)  # chosen at the first step
         work = self._checked_work(configs)
-        strategy.check_participation(
-            [p.grad is not None for g in self.param_groups for p in g["params"]],
-            functools.partial(settings_of, configs, self.param_groups, nonfinite=self.nonfinite),
-        )
+        strategy.check_participation(has_grad, settings)
         chunks: list[Iterable[_MuonChunk]] = [
             self._muon_chunks(params, config) if isinstance(config, MuonConfig) else []
             for config, params in zip(configs, work, strict=True)
@@ -388,7 +414,7 @@ class HybridMuon(Optimizer):
     def __getstate__(self) -> dict[str, Any]:
         """What ``copy.deepcopy`` and pickle keep: torch's defaults, state and groups, and ours."""
         if self._strategy is None:  # not chosen yet: distributed for sure with a group or DTensor params
-            distributed = self._process_group is not None or _dtensors_among(self._all_params())
+            distributed = self._process_group is not None or bool(_dtensors(self._all_params()))
             name = "chosen from process_group= or DTensor params" if distributed else ""
         else:
             name = "" if isinstance(self._strategy, SingleDeviceStrategy) else type(self._strategy).__name__
@@ -526,9 +552,9 @@ def _check_state_fits(state: Mapping[str, Any], p: Tensor, local: Callable[[Tens
             )
 
 
-def _dtensors_among(params: Sequence[Tensor]) -> bool:
+def _dtensors(params: Sequence[Tensor]) -> list[Tensor]:
     module = sys.modules.get("torch.distributed.tensor")  # not imported: no DTensor can exist
-    return module is not None and any(isinstance(p, module.DTensor) for p in params)
+    return [] if module is None else [p for p in params if isinstance(p, module.DTensor)]
 
 
 def _local_view(t: Tensor) -> Tensor:
