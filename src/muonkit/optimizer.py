@@ -133,6 +133,11 @@ class HybridMuon(Optimizer):
     ) -> None:
         if nonfinite not in NONFINITE_CHOICES:
             raise ValueError(f"Invalid nonfinite={nonfinite!r}: must be one of {NONFINITE_CHOICES}")
+        if process_group is not None and strategy is None and not _distributed_initialized():
+            raise ValueError(
+                "process_group= was given but torch.distributed is not initialized: call "
+                "torch.distributed.init_process_group first (build the optimizer after it, e.g. after Accelerator())"
+            )
         self.nonfinite = nonfinite
         self.skipped_steps = 0
         self._adamw_defaults = plain_hyperparameters(
@@ -550,6 +555,10 @@ def _check_state_fits(state: Mapping[str, Any], p: Tensor, local: Callable[[Tens
                 f"{tuple(value.shape)} on {value.device}: a param's shape and device must not change once the "
                 "optimizer has state for it (load a state_dict made for the new param, or build a new optimizer)"
             )
+
+
+def _distributed_initialized() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
 def _dtensors(params: Sequence[Tensor]) -> list[Tensor]:
