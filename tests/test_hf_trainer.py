@@ -121,17 +121,29 @@ def test_plain_trainer_with_make_optimizer(tmp_path: Path) -> None:
     ("mode", "error", "says"),
     [
         ({"deepspeed": {"zero_optimization": {"stage": 2}}}, ValueError, "trainer_setup"),
-        ({"fsdp": "full_shard"}, NotImplementedError, "fully_shard in your own loop"),
+        ({"fsdp": True, "fsdp_config": {"version": 1}}, NotImplementedError, r"\(FSDP1\).*Use FSDP2"),
+        ({"fsdp": "full_shard", "fsdp_config": {"fsdp_version": "1"}}, NotImplementedError, "Use FSDP2"),
     ],
 )
 def test_make_optimizer_refuses_trainer_modes_it_cannot_serve(mode: dict, error: type, says: str) -> None:
+    with pytest.raises(error, match=says):
+        make_optimizer(tiny_model(), _namespace_args(**mode))
+
+
+@pytest.mark.parametrize("fsdp_config", [{"version": 2}, {"fsdp_version": 2}, {}, None])
+def test_make_optimizer_serves_the_trainers_fsdp2(fsdp_config: dict | None) -> None:
+    # FSDP2 (transformers 5's default version) is trained at 2 ranks in tests/distributed/scenario_hf.py.
+    opt = make_optimizer(tiny_model(), _namespace_args(fsdp=True, fsdp_config=fsdp_config))
+    assert isinstance(opt, muonkit.HybridMuon)
+
+
+def _namespace_args(**mode: Any) -> Any:
     from types import SimpleNamespace
 
     args = SimpleNamespace(learning_rate=1e-3, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95, adam_epsilon=1e-8)
     for key, value in mode.items():
         setattr(args, key, value)
-    with pytest.raises(error, match=says):
-        make_optimizer(tiny_model(), args)
+    return args
 
 
 def test_muon_trainer_defers_to_an_explicit_optimizer_factory(tmp_path: Path) -> None:

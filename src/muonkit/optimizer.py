@@ -1,8 +1,8 @@
 """HybridMuon: one ``torch.optim.Optimizer``, Muon or AdamW chosen per param group.
 
 The optimizer validates, keeps state and orchestrates; the math lives in
-:mod:`muonkit.functional` and everything about where tensors live in the strategy picked once by
-:func:`muonkit.distributed.select_strategy`.
+:mod:`muonkit.functional` and everything about where tensors live in the strategy picked once, at
+the first ``step()``, by :func:`muonkit.distributed.select_strategy`.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import functools
 import inspect
 import logging
 import math
+import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, cast
@@ -29,7 +30,7 @@ from muonkit.config import (
     key_hint,
     plain_hyperparameters,
 )
-from muonkit.distributed import SingleDeviceStrategy, Strategy, select_strategy
+from muonkit.distributed import SingleDeviceStrategy, Strategy, select_strategy, world_size
 from muonkit.distributed.agreement import settings_of
 from muonkit.foreign_state import muonkit_group
 from muonkit.functional.adamw import adamw_
@@ -110,6 +111,14 @@ class HybridMuon(Optimizer):
             ``"unchecked"``: no check; each chunk is applied as soon as it is computed.
         process_group: for DDP, the process group the gradients are averaged over.
         strategy: an explicit :class:`muonkit.distributed.Strategy` (advanced).
+
+    The strategy (:attr:`strategy`) is chosen from the params the optimizer holds when it is first
+    needed: the first ``step()`` (or the first read of ``opt.strategy``), not at construction.
+    Engines that swap the params after the optimizer is built (accelerate's FSDP2 ``prepare``
+    replaces them with DTensors) therefore get the strategy of the params that really step;
+    ``process_group`` is checked against their layout then, and a layout HybridMuon cannot tell
+    (plain tensors at world size > 1 without ``process_group``) raises there, naming what to pass.
+    An explicit ``strategy`` is used as given.
     """
 
     _for_a_model = "muonkit.param_groups(model)"
@@ -148,6 +157,11 @@ class HybridMuon(Optimizer):
             )
         if nonfinite not in NONFINITE_CHOICES:
             raise ValueError(f"Invalid nonfinite={nonfinite!r}: must be one of {NONFINITE_CHOICES}")
+        if process_group is not None and strategy is None and not _distributed_initialized():
+            raise ValueError(
+                "process_group= was given but torch.distributed is not initialized: call "
+                "torch.distributed.init_process_group first (build the optimizer after it, e.g. after Accelerator())"
+            )
         self.nonfinite = nonfinite
         self.skipped_steps = 0
         self._adamw_defaults = plain_hyperparameters(
@@ -162,8 +176,16 @@ class HybridMuon(Optimizer):
             "split_sizes": split_sizes, "ns_dtype": ns_dtype, "ns_method": ns_method, "betas": betas,
         }  # fmt: skip
         super().__init__(params, plain_hyperparameters(defaults))
-        all_params = [p for g in self.param_groups for p in g["params"]]
-        self.strategy: Strategy = strategy or select_strategy(all_params, process_group=process_group)
+        self._strategy: Strategy | None = strategy
+        self._process_group = process_group
+        self._built_distributed = world_size() > 1  # for the hint when that changed before the first step
+
+    @property
+    def strategy(self) -> Strategy:
+        """The distribution strategy; chosen from the params held now the first time it is needed."""
+        if self._strategy is None:
+            self._strategy = self._choose_strategy()
+        return self._strategy
 
     def set_strategy(self, strategy: Strategy) -> None:
         """Replace the distribution strategy (before training, or right after loading a checkpoint).
@@ -172,7 +194,63 @@ class HybridMuon(Optimizer):
         hands ``step()`` flat partitions): :mod:`muonkit.integrations.deepspeed` calls this once
         the engine exists. Existing states must already be laid out as ``strategy.local`` expects.
         """
-        self.strategy = strategy
+        self._strategy = strategy
+
+    def _strategy_for_step(self, has_grad: list[bool], settings: Callable[[], Sequence[Any]]) -> Strategy:
+        if self._strategy is None:
+            try:
+                self._strategy = self._choose_strategy()
+            except ValueError:
+                self._agree_before_refusing(has_grad, settings)
+                raise
+        return self._strategy
+
+    def _agree_before_refusing(self, has_grad: list[bool], settings: Callable[[], Sequence[Any]]) -> None:
+        """Join the other ranks' agreement before refusing a mix of DTensor and plain params.
+
+        Ranks whose params differ (one holds a plain tensor beside the DTensors) choose differently:
+        those that chose wait in their strategy's agreement collective. A strategy for the DTensors
+        alone joins it, so that every rank raises the agreement's error instead of hanging; where
+        all ranks hold the same mix, the agreement passes and every rank refuses it alike.
+        """
+        params = self._all_params()
+        sharded = _dtensors(params)
+        if not sharded or len(sharded) == len(params):
+            return
+        try:
+            probe = select_strategy(sharded, process_group=self._process_group)
+        except (ValueError, NotImplementedError):
+            return  # the DTensors alone are refused too: on every rank that holds them
+        probe.check_participation(has_grad, settings)
+
+    def _all_params(self) -> list[Tensor]:
+        return [p for g in self.param_groups for p in g["params"]]
+
+    def _choose_strategy(self) -> Strategy:
+        params = self._all_params()
+        try:
+            return select_strategy(params, process_group=self._process_group)
+        except ValueError as e:
+            if self._built_distributed or self._process_group is not None or _dtensors(params):
+                raise
+            raise ValueError(
+                f"{e} This HybridMuon was built before torch.distributed was initialized (e.g. before "
+                "accelerate's Accelerator()): build it afterwards with process_group=torch.distributed.group.WORLD, "
+                "or call opt.set_strategy(muonkit.distributed.ReplicatedStrategy(torch.distributed.group.WORLD)) "
+                "before the first step."
+            ) from None
+
+    def _layout(self) -> tuple[Callable[[Tensor], list[tuple[int, ...]]], Callable[[Tensor], Tensor]]:
+        """``whole_shapes`` and ``local`` of the strategy, without choosing it if it is not chosen yet.
+
+        Before the first step (``load_state_dict`` right after construction, as accelerate's
+        ``prepare`` does before it swaps the params), choosing would fix the strategy for params
+        that may not be the ones that step. Every automatic strategy reads a param the same way:
+        its full shape, and a DTensor's local shard.
+        """
+        if self._strategy is not None:
+            return self._strategy.whole_shapes, self._strategy.local
+        return (lambda p: [full_shape(p)]), _local_view
 
     # ------------------------------------------------------------------ groups
 
@@ -224,11 +302,11 @@ class HybridMuon(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         configs = [group_config(g, i) for i, g in enumerate(self.param_groups)]
+        has_grad = [p.grad is not None for g in self.param_groups for p in g["params"]]
+        settings = functools.partial(settings_of, configs, self.param_groups, nonfinite=self.nonfinite)
+        strategy = self._strategy_for_step(has_grad, settings)  # chosen at the first step
         work = self._checked_work(configs)
-        self.strategy.check_participation(
-            [p.grad is not None for g in self.param_groups for p in g["params"]],
-            functools.partial(settings_of, configs, self.param_groups, nonfinite=self.nonfinite),
-        )
+        strategy.check_participation(has_grad, settings)
         chunks: list[Iterable[_MuonChunk]] = [
             self._muon_chunks(params, config) if isinstance(config, MuonConfig) else []
             for config, params in zip(configs, work, strict=True)
@@ -367,13 +445,18 @@ class HybridMuon(Optimizer):
 
     def __getstate__(self) -> dict[str, Any]:
         """What ``copy.deepcopy`` and pickle keep: torch's defaults, state and groups, and ours."""
-        if not isinstance(self.strategy, SingleDeviceStrategy):
+        if self._strategy is None:  # not chosen yet: distributed for sure with a group or DTensor params
+            distributed = self._process_group is not None or bool(_dtensors(self._all_params()))
+            name = "chosen from process_group= or DTensor params" if distributed else ""
+        else:
+            name = "" if isinstance(self._strategy, SingleDeviceStrategy) else type(self._strategy).__name__
+        if name:
             raise TypeError(
-                f"Cannot copy or pickle a HybridMuon with strategy {type(self.strategy).__name__}: only a "
+                f"Cannot copy or pickle a HybridMuon with strategy {name}: only a "
                 "single-device optimizer can be copied (a distributed strategy holds process groups). Save "
                 "opt.state_dict() (or use muonkit.distributed.checkpoint) and load it into a new optimizer"
             )
-        extra = {"strategy", "nonfinite", "skipped_steps", "_adamw_defaults"}
+        extra = {"_strategy", "_process_group", "_built_distributed", "nonfinite", "skipped_steps", "_adamw_defaults"}
         return {**super().__getstate__(), **{k: v for k, v in self.__dict__.items() if k in extra}}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -420,6 +503,7 @@ class HybridMuon(Optimizer):
             )
         index = 0
         groups: list[dict[str, Any]] = []
+        whole_shapes, local = self._layout()
         for gi, (group, saved) in enumerate(zip(self.param_groups, saved_groups, strict=True)):
             if not isinstance(saved, Mapping) or not isinstance(saved.get("params"), Sequence):
                 raise ValueError(f"Invalid optimizer state: param group {gi} has no 'params' list")
@@ -437,10 +521,10 @@ class HybridMuon(Optimizer):
             merged = {**group, **{k: v for k, v in saved.items() if k != "params"}}  # as load_state_dict will
             group_config(merged, gi)
             if algorithm == "muon":
-                shapes = [s for p in group["params"] for s in self.strategy.whole_shapes(p)]
+                shapes = [s for p in group["params"] for s in whole_shapes(p)]
                 _check_muon_params(group["params"], merged, gi, shapes=shapes)
             for p, pid in zip(group["params"], saved["params"], strict=True):
-                _check_param_state(state_dict["state"].get(pid), p, algorithm, gi, index, local=self.strategy.local)
+                _check_param_state(state_dict["state"].get(pid), p, algorithm, gi, index, local=local)
                 index += 1
         return {**state_dict, "param_groups": groups}
 
@@ -499,6 +583,21 @@ def _check_state_fits(state: Mapping[str, Any], p: Tensor, local: Callable[[Tens
                 f"{tuple(value.shape)} on {value.device}: a param's shape and device must not change once the "
                 "optimizer has state for it (load a state_dict made for the new param, or build a new optimizer)"
             )
+
+
+def _distributed_initialized() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def _dtensors(params: Sequence[Tensor]) -> list[Tensor]:
+    module = sys.modules.get("torch.distributed.tensor")  # not imported: no DTensor can exist
+    return [] if module is None else [p for p in params if isinstance(p, module.DTensor)]
+
+
+def _local_view(t: Tensor) -> Tensor:
+    """The part of ``t`` this rank stores: a DTensor's local shard, any other tensor itself."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return t.to_local() if module is not None and isinstance(t, module.DTensor) else t
 
 
 def _tensors_and_names(params: Any, index: int) -> tuple[list[Tensor], list[str] | None]:

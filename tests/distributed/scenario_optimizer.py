@@ -194,3 +194,56 @@ def strategy_selection(ctx: Context) -> None:
         raise AssertionError("mixed DTensor and plain params must be refused")
     opt = muonkit.HybridMuon(plain, strategy=SingleDeviceStrategy())  # the explicit opt-out
     assert isinstance(opt.strategy, SingleDeviceStrategy)
+
+
+@check(2)
+def strategy_is_chosen_from_the_params_at_the_first_step(ctx: Context) -> None:
+    """Not at construction: an engine may swap the params (accelerate's FSDP2 ``prepare`` puts
+    DTensors in the param groups) between the two; ``load_state_dict`` before the first step (as
+    accelerate's optimizer wrapper does) must not choose either."""
+    device_mesh = mesh()
+
+    def swapped(process_group: Any = None) -> tuple[muonkit.HybridMuon, list[Any]]:
+        plain = [nn.Parameter(torch.randn(4, 4)) for _ in range(2)]
+        opt = muonkit.HybridMuon(plain, process_group=process_group)  # no error at world size 2
+        opt.load_state_dict(opt.state_dict())
+        sharded = [nn.Parameter(shard(p.detach(), device_mesh)) for p in plain]
+        opt.param_groups[0]["params"] = sharded
+        for p in sharded:
+            p.grad = shard(torch.ones(4, 4), device_mesh)
+        return opt, sharded
+
+    for process_group in (None, dist.group.WORLD):  # make_optimizer passes WORLD under torchrun by itself
+        opt, _ = swapped(process_group)
+        opt.step()
+        assert isinstance(opt.strategy, DTensorStrategy), type(opt.strategy)
+        assert all_sum(opt.strategy.stats.matrices) == 2, opt.strategy.stats
+
+    # a group that is not the DTensors' mesh is refused at the first step, before anything changes
+    opt, sharded = swapped(dist.new_group(list(range(ctx.world_size))))
+    before = [p.detach().full_tensor() for p in sharded]
+    try:
+        opt.step()
+    except ValueError as e:
+        assert "process_group= differs from the device mesh" in str(e), str(e)
+    else:
+        raise AssertionError("a process_group that is not the DTensors' mesh must be refused")
+    assert all(torch.equal(b, p.detach().full_tensor()) for b, p in zip(before, sharded, strict=True))
+    assert not opt.state
+
+    # plain params at world size 2 without a group: the first step says what to pass
+    opt = muonkit.HybridMuon([nn.Parameter(torch.randn(4, 4))])
+    opt.param_groups[0]["params"][0].grad = torch.ones(4, 4)
+    try:
+        opt.step()
+    except ValueError as e:
+        assert "process_group=torch.distributed.group.WORLD" in str(e) and "SingleDeviceStrategy()" in str(e), str(e)
+        assert "built before torch.distributed" not in str(e), str(e)  # it was initialized at construction
+    else:
+        raise AssertionError("plain params at world size 2 without process_group must be refused")
+
+    # an explicit strategy wins over the params' layout, and set_strategy replaces the choice
+    opt, _ = swapped()
+    explicit = ReplicatedStrategy(dist.group.WORLD)
+    opt.set_strategy(explicit)
+    assert opt.strategy is explicit

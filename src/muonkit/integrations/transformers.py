@@ -3,7 +3,8 @@
 Two ways to train with HybridMuon, both honouring the ``TrainingArguments`` (the AdamW groups
 take ``learning_rate``, ``adam_beta1/2``, ``adam_epsilon`` and ``weight_decay``; the Trainer's lr
 scheduler scales every group from its own base lr; gradient accumulation, clipping and
-``resume_from_checkpoint`` work unchanged)::
+``resume_from_checkpoint`` work unchanged; so do DDP under ``torchrun`` and FSDP2 through
+``fsdp_config={"version": 2}``)::
 
     from muonkit.integrations.transformers import MuonTrainer, make_optimizer
 
@@ -101,9 +102,12 @@ def make_optimizer(
 
     Under ``torchrun`` the Trainer wraps the model in DDP, so when torch.distributed runs at world
     size > 1 the optimizer gets ``process_group=WORLD`` (each matrix orthogonalized once across
-    ranks, identical updates everywhere) unless ``process_group`` says otherwise. The Trainer's
-    DeepSpeed mode needs :func:`muonkit.integrations.deepspeed.trainer_setup` instead, and its
-    FSDP mode is refused (accelerate swaps the parameters after the optimizer exists).
+    ranks, identical updates everywhere) unless ``process_group`` says otherwise. Under the
+    Trainer's FSDP2 mode (``fsdp_config={"version": 2}``, transformers 5's default) accelerate
+    swaps the parameters for DTensors after the optimizer is built; HybridMuon chooses its strategy
+    at the first step, so it shards its work over their mesh (the group is checked against it).
+    FSDP1 is refused. The Trainer's DeepSpeed mode needs
+    :func:`muonkit.integrations.deepspeed.trainer_setup` instead.
     """
     _check_trainer_mode(args)
     check_group_keys(muon_options, " among make_optimizer's Muon options", allowed=MUON_KEYS)
@@ -133,12 +137,15 @@ def _check_trainer_mode(args: Any | None) -> None:
             "Trainer(..., args=TrainingArguments(..., deepspeed=setup.deepspeed), **setup.trainer_kwargs())"
         )
     if getattr(args, "fsdp", None):
-        raise NotImplementedError(
-            f"TrainingArguments has fsdp={args.fsdp!r}: HybridMuon under the Trainer's FSDP is not supported "
-            "(accelerate creates the optimizer on the unsharded parameters and swaps them afterwards). Use DDP "
-            "(plain torchrun), DeepSpeed ZeRO (muonkit.integrations.deepspeed.trainer_setup), or FSDP2 "
-            "fully_shard in your own loop, where HybridMuon picks its sharded strategy from the DTensor params."
-        )
+        config = getattr(args, "fsdp_config", None) or {}
+        version = config.get("version", config.get("fsdp_version", 2)) if isinstance(config, Mapping) else 2
+        if str(version) != "2":
+            raise NotImplementedError(
+                f"TrainingArguments has fsdp={args.fsdp!r} with fsdp_config version {version!r} (FSDP1): FSDP1 "
+                "flattens the parameters into 1-D buffers, so no matrix would be found for Muon. Use FSDP2: "
+                'fsdp_config={"version": 2} (the default in transformers 5), whose DTensor params HybridMuon '
+                "shards its work over at the first step."
+            )
 
 
 def _make_muon_trainer() -> type:
