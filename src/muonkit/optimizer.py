@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, cast
@@ -198,6 +199,8 @@ class HybridMuon(Optimizer):
                 loss = closure()
         configs = [group_config(g, i) for i, g in enumerate(self.param_groups)]
         work = self._checked_work(configs)
+        if not any(work):
+            _warn_no_gradients(self.param_groups)
         self.strategy.check_participation(
             [p.grad is not None for g in self.param_groups for p in g["params"]],
             functools.partial(settings_of, configs, self.param_groups, nonfinite=self.nonfinite),
@@ -427,6 +430,30 @@ class _MuonChunk:
     """Their momentum buffers before the step (new zero ones are not in the state yet)."""
     directions: list[Tensor]
     """Local slices of ``scale * orthogonalize(U)``, ``U`` computed from ``buffers``."""
+
+
+def _warn_no_gradients(groups: Sequence[Mapping[str, Any]]) -> None:
+    """A step in which none of the optimizer's params has a gradient trains nothing: say so, and why.
+
+    A warning, not an error: torch.optim allows such a step (a closure that skipped a batch,
+    torch's own optimizer tests). The usual cause is a model wrapped after the optimizer was
+    built (PEFT's ``get_peft_model``, TRL's ``SFTTrainer(peft_config=...)``): the optimizer holds
+    the frozen base weights and the new adapter params it never sees.
+    """
+    params = [p for g in groups for p in g["params"]]
+    if not params:
+        return
+    frozen = sum(not p.requires_grad for p in params)
+    warnings.warn(
+        f"HybridMuon.step() found no gradient on any of its {len(params)} params, so nothing was trained "
+        f"({frozen} of them have requires_grad=False). Likely cause: the model was wrapped or frozen after "
+        "the optimizer was built (PEFT get_peft_model, TRL SFTTrainer(peft_config=...) with an optimizer "
+        "passed in optimizers=): the optimizer holds the frozen base weights, not the new trainable adapter "
+        "params. Build the optimizer from the model that trains (after get_peft_model), or call backward() "
+        "before step()",
+        RuntimeWarning,
+        stacklevel=2,
+    )
 
 
 def _all_finite(lists: Sequence[Sequence[Tensor]]) -> Tensor:
