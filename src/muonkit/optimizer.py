@@ -232,7 +232,7 @@ class HybridMuon(Optimizer):
                 if params:
                     self.strategy.check_params(params)
                 shapes = [s for p in group["params"] for s in self.strategy.whole_shapes(p)]
-                _check_muon_params(group["params"], group, i, shapes=shapes)
+                _check_muon_params(group["params"], group, i, shapes=shapes, hint=_SWAPPED_PARAMS)
             for p in params:
                 _check_state_fits(self.state.get(p, {}), p, self.strategy.local, i)
         return work
@@ -414,7 +414,7 @@ class HybridMuon(Optimizer):
             group_config(merged, gi)
             if algorithm == "muon":
                 shapes = [s for p in group["params"] for s in self.strategy.whole_shapes(p)]
-                _check_muon_params(group["params"], merged, gi, shapes=shapes)
+                _check_muon_params(group["params"], merged, gi, shapes=shapes, hint=_SWAPPED_PARAMS)
             for p, pid in zip(group["params"], saved["params"], strict=True):
                 _check_param_state(state_dict["state"].get(pid), p, algorithm, gi, index, local=self.strategy.local)
                 index += 1
@@ -547,16 +547,30 @@ def _default_algorithm(params: list[Tensor], index: int) -> str:
     )
 
 
+_SWAPPED_PARAMS = (
+    ". add_param_group checked this group, so its params were replaced afterwards: DeepSpeed ZeRO hands "
+    "step() flat 1-D partitions. Call muonkit.integrations.deepspeed.install(engine) right after "
+    "deepspeed.initialize(optimizer=...), or build the engine with muonkit.integrations.deepspeed.initialize "
+    "(the HF Trainer: muonkit.integrations.deepspeed.trainer_setup)"
+)
+"""Why a Muon group holds a < 2-D tensor at ``step()`` or ``load_state_dict()``."""
+
+
 def _check_muon_params(
-    params: list[Tensor], group: Mapping[str, Any], index: int, *, shapes: Sequence[tuple[int, ...]] | None = None
+    params: list[Tensor],
+    group: Mapping[str, Any],
+    index: int,
+    *,
+    shapes: Sequence[tuple[int, ...]] | None = None,
+    hint: str = "; put it in an algorithm='adamw' group",
 ) -> None:
-    """``shapes``: the whole tensors behind ``params`` when they differ (a strategy's ``whole_shapes``)."""
+    """``shapes``: the whole tensors behind ``params`` when they differ (a strategy's ``whole_shapes``).
+    ``hint``: the advice after a < 2-D tensor's error."""
     config = cast(MuonConfig, group_config(group, index))
     for shape in [full_shape(p) for p in params] if shapes is None else shapes:
         if len(shape) < 2:
             raise ValueError(
-                f"Param group {index} (algorithm='muon') has a tensor of shape {shape}: Muon "
-                "needs >= 2 dims; put it in an algorithm='adamw' group"
+                f"Param group {index} (algorithm='muon') has a tensor of shape {shape}: Muon needs >= 2 dims{hint}"
             )
         try:
             config.layout.blocks(shape)
