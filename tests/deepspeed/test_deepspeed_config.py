@@ -62,7 +62,9 @@ def test_auto_and_learning_rate_are_refused_explaining_muon_lr_is_not_hf_learnin
     says = r"Muon's lr is not HF's learning_rate \(that one belongs in adamw_lr\).*trainer_setup"
     with pytest.raises(ValueError, match=rf"\['lr'\] = 'auto'.*{says}"):
         trainer_setup({"optimizer": {"type": "muonkit.HybridMuon", "params": {"lr": "auto", "adamw_lr": 1e-3}}})
-    with pytest.raises(ValueError, match=r"\['learning_rate'\] \(HF's learning_rate is AdamW's lr: adamw_lr; Muon's is lr\)"):
+    with pytest.raises(
+        ValueError, match=r"\['learning_rate'\] \(HF's learning_rate is AdamW's lr: adamw_lr; Muon's is lr\)"
+    ):
         MuonkitOptions.from_params({"learning_rate": 0.02})
 
 

@@ -104,7 +104,7 @@ class MuonkitOptions:
             raise ValueError(
                 f"Invalid muonkit optimizer params {auto} = 'auto': muonkit takes explicit values. The HF Trainer "
                 "fills 'auto' from TrainingArguments, and its learning_rate is an AdamW lr: Muon's lr is not HF's "
-                "learning_rate (that one belongs in adamw_lr). Write e.g. \"lr\": 0.02, \"adamw_lr\": 3e-4, and run the "
+                'learning_rate (that one belongs in adamw_lr). Write e.g. "lr": 0.02, "adamw_lr": 3e-4, and run the '
                 "Trainer with muonkit.integrations.deepspeed.trainer_setup(config), which removes this section before "
                 "HF checks it against TrainingArguments"
             )
