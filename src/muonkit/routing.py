@@ -93,6 +93,27 @@ class Route:
 RuleLike = Rule | tuple[str, str]
 
 
+LORA_ROUTINGS: tuple[str, ...] = ("muon", "b_muon", "adamw")
+"""Where PEFT LoRA factors can go: both on Muon, ``lora_B`` on Muon and ``lora_A`` on AdamW, both on AdamW."""
+_LORA_A, _LORA_B = r"\.lora_A\.", r"\.lora_B\."
+
+
+def lora_rules(routing: str) -> tuple[Rule, ...]:
+    """Rules that route PEFT LoRA factors (``*.lora_A.*``, ``*.lora_B.*``) as ``routing`` says.
+
+    ``"muon"``: both factors on Muon; ``"b_muon"``: ``lora_B`` (out x r) on Muon, ``lora_A``
+    (r x in) on AdamW; ``"adamw"``: both on AdamW. Pass them first:
+    ``muonkit.param_groups(peft_model, rules=muonkit.lora_rules("adamw"))``. What the default
+    does without them, and why, is in the module docstring (``muonkit bench lora`` measures it).
+    """
+    if routing not in LORA_ROUTINGS:
+        raise ValueError(f"Invalid LoRA routing={routing!r}: must be one of {LORA_ROUTINGS}")
+    a = "muon" if routing == "muon" else "adamw"
+    b = "adamw" if routing == "adamw" else "muon"
+    reason = f"LoRA factor (lora_rules({routing!r}))"
+    return (Rule(_LORA_A, a, reason=reason), Rule(_LORA_B, b, reason=reason))
+
+
 def route(
     model: nn.Module, *, rules: Sequence[RuleLike] | Mapping[str, str] | None = None, split_qkv: bool = False
 ) -> list[Route]:
