@@ -171,3 +171,12 @@ def test_torchtitan_own_groups_with_fused_keys_are_refused_by_hybrid_muon() -> N
     group = {"params": list(model.parameters()), "algorithm": "adamw", "fused": True, "foreach": False}
     with pytest.raises(ValueError, match=r"Unknown key 'fused'.*torch\.optim's fused option is not supported"):
         muonkit.HybridMuon([copy.copy(group)])
+
+
+def test_rules_override_the_routing_per_model_part() -> None:
+    parts = [tiny(), tiny()]
+    container = HybridMuonContainer.Config(rules=[(r"^output\.", "muon")]).build(model_parts=parts)
+    assert len(container) == 2
+    for optimizer in container:
+        muon = [n for g in optimizer.param_groups if g["algorithm"] == "muon" for n in g["param_names"]]
+        assert "output.weight" in muon and "tok_embeddings.weight" not in muon

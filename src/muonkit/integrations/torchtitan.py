@@ -46,11 +46,11 @@ __all__ = ["HybridMuonContainer"]
 logger = logging.getLogger(__name__)
 
 
-class HybridMuonContainer(OptimizersContainer):  # type: ignore[misc]
+class HybridMuonContainer(OptimizersContainer):
     """torchtitan's ``OptimizersContainer`` holding one :class:`muonkit.HybridMuon` per model part."""
 
     @dataclass(kw_only=True, slots=True)
-    class Config(OptimizersContainer.Config):  # type: ignore[misc]
+    class Config(OptimizersContainer.Config):
         """HybridMuon's settings, as :func:`muonkit.param_groups` and :class:`muonkit.HybridMuon` take them."""
 
         lr: float = 0.02
@@ -69,7 +69,7 @@ class HybridMuonContainer(OptimizersContainer):  # type: ignore[misc]
         adamw_options: dict[str, Any] = field(default_factory=dict)
         """Other AdamW group keys (``betas``, ``eps``)."""
         nonfinite: str = "skip"
-        implementation: str = "foreach"  # type: ignore[assignment]
+        implementation: str = "foreach"
         """Only ``"foreach"``: HybridMuon batches its math by shape and has no fused kernel."""
 
     def __init__(self, config: Config, *, model_parts: list[nn.Module]) -> None:
@@ -93,7 +93,7 @@ class HybridMuonContainer(OptimizersContainer):  # type: ignore[misc]
 def _groups(model: nn.Module, config: HybridMuonContainer.Config) -> list[dict[str, Any]]:
     groups = param_groups(
         model, lr=config.lr, adamw_lr=config.adamw_lr, weight_decay=config.weight_decay,
-        adamw_weight_decay=config.adamw_weight_decay, rules=[tuple(r) for r in config.rules] or None,
+        adamw_weight_decay=config.adamw_weight_decay, rules=[(str(p), str(a)) for p, a in config.rules] or None,
         split_qkv=config.split_qkv, muon_options=config.muon_options, adamw_options=config.adamw_options,
     )  # fmt: skip
     if config.no_decay_on_vectors:
