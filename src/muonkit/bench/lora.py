@@ -48,9 +48,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
     "default": {
         "vocab_size": 1024,
-        "model": {"block_size": 64, "n_layer": 4, "n_head": 4, "n_embd": 128},
-        "pretrain": {"steps": 300, "batch_size": 16, "eval_interval": 100, "eval_batches": 4},
-        "lora": {"r": 8, "alpha": 16, "steps": 150, "batch_size": 16, "eval_batches": 16},
+        "model": {"block_size": 64, "n_layer": 2, "n_head": 4, "n_embd": 128},
+        "pretrain": {"steps": 200, "batch_size": 16, "eval_interval": 100, "eval_batches": 4},
+        "lora": {"r": 8, "alpha": 16, "steps": 100, "batch_size": 16, "eval_batches": 8},
         "seeds": (0, 1, 2),
     },
 }
