@@ -353,3 +353,24 @@ def test_explain_on_the_meta_device() -> None:
     report = muonkit.explain(model)
     experts = [r for r in report.routes if r.layout == "experts"]
     assert len(experts) == 2 and all(r.shape[0] == 8 for r in experts)
+
+
+def test_lora_factors_have_their_own_route_and_presets_move_them() -> None:
+    peft = pytest.importorskip("peft")
+    base = nn.Sequential()
+    base.add_module("attn", nn.Linear(16, 16))
+    base.add_module("mlp", nn.Linear(16, 32))
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["attn", "mlp"]))
+
+    def where(rules: Any = None) -> dict[str, str]:
+        routes = muonkit.explain(model, rules=rules).routes
+        return {r.name.split(".lora_")[1].split(".")[0]: r.algorithm for r in routes if ".lora_" in r.name}
+
+    reasons = {r.reason for r in muonkit.explain(model).routes}
+    assert {"PEFT LoRA lora_A (r x in) (default LoRA routing: lora_rules)"} <= reasons
+    assert len(muonkit.explain(model).routes) == 4  # the frozen base weights are left out
+    assert where() == where(muonkit.lora_rules("muon")) == {"A": "muon", "B": "muon"}
+    assert where(muonkit.lora_rules("b_muon")) == {"A": "adamw", "B": "muon"}
+    assert where(muonkit.lora_rules("adamw")) == {"A": "adamw", "B": "adamw"}
+    with pytest.raises(ValueError, match=r"Invalid LoRA routing='B': must be one of \('muon', 'b_muon', 'adamw'\)"):
+        muonkit.lora_rules("B")

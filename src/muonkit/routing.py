@@ -23,6 +23,11 @@ expert of a fused MoE tensor). Everything else goes to AdamW. The built-in rules
 10    anything else (a raw ``nn.Parameter``, positional tables)   adamw
 ====  =========================================================  =========  ===============
 
+PEFT LoRA factors (the ``nn.Linear`` weights of ``*.lora_A.*``, r x in, and ``*.lora_B.*``, out x r)
+are routed by rule 5 with their own reason: both go to Muon, the best of the three choices
+``muonkit bench lora`` measured (Muon on both, Muon on B with A on AdamW, AdamW on both; see
+BENCHMARKS.md). :func:`lora_rules` gives the other two as rule presets.
+
 A user rule is ``(pattern, algorithm)`` or a :class:`Rule`; patterns are Python regular
 expressions searched in the parameter's full name (``re.search``).
 """
@@ -96,6 +101,8 @@ RuleLike = Rule | tuple[str, str]
 LORA_ROUTINGS: tuple[str, ...] = ("muon", "b_muon", "adamw")
 """Where PEFT LoRA factors can go: both on Muon, ``lora_B`` on Muon and ``lora_A`` on AdamW, both on AdamW."""
 _LORA_A, _LORA_B = r"\.lora_A\.", r"\.lora_B\."
+LORA_DEFAULT = "muon"
+"""Where both LoRA factors go without a preset: Muon, as ``muonkit bench lora`` measured best."""
 
 
 def lora_rules(routing: str) -> tuple[Rule, ...]:
@@ -159,6 +166,9 @@ def _route_one(
     if leaf in _ROUTER_NAMES or "Router" in cls or "router" in module_name.lower().split("."):
         return Route(name, shape, "adamw", "MoE router")
     if isinstance(module, nn.Linear) and len(shape) == 2:
+        factor = _lora_factor(module_name)
+        if factor is not None:
+            return Route(name, shape, LORA_DEFAULT, f"PEFT LoRA {factor} (default LoRA routing: lora_rules)", "matrix")
         return _matrix_route(name, shape, "matrix", "hidden Linear", leaf, split_qkv, config)
     if cls == "Conv1D" and len(shape) == 2:
         return _matrix_route(name, shape, "transposed", "GPT-2 Conv1D (stored in x out)", leaf, split_qkv, config)
@@ -201,6 +211,16 @@ def qkv_split_sizes(rows: int, config: Any = None) -> tuple[int, ...] | None:
             return (q, kv, kv)
     if rows % 3 == 0:
         return (rows // 3,) * 3
+    return None
+
+
+def _lora_factor(module_name: str) -> str | None:
+    """``"lora_A (r x in)"`` / ``"lora_B (out x r)"`` for PEFT's factor Linears (``*.lora_A.<adapter>``)."""
+    parts = module_name.split(".")
+    if "lora_A" in parts:
+        return "lora_A (r x in)"
+    if "lora_B" in parts:
+        return "lora_B (out x r)"
     return None
 
 
