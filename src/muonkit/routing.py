@@ -24,9 +24,12 @@ expert of a fused MoE tensor). Everything else goes to AdamW. The built-in rules
 ====  =========================================================  =========  ===============
 
 PEFT LoRA factors (the ``nn.Linear`` weights of ``*.lora_A.*``, r x in, and ``*.lora_B.*``, out x r)
-are routed by rule 5 with their own reason: both go to Muon, the best of the three choices
-``muonkit bench lora`` measured (Muon on both, Muon on B with A on AdamW, AdamW on both; see
-BENCHMARKS.md). :func:`lora_rules` gives the other two as rule presets.
+are routed by rule 5 with their own reason: both go to Muon. ``muonkit bench lora`` (BENCHMARKS.md)
+measured the three choices: at muonkit's default Muon lr, Muon on both beat AdamW on both at the
+usual LoRA lrs (1e-3, 3e-3) and tied with AdamW at 1e-2 (the best of the three AdamW lrs tried,
+not significantly different); Muon on B with A on AdamW was never better. So Muon on both works
+without tuning an AdamW lr for the adapters (under the HF Trainer, AdamW groups take
+``learning_rate``). :func:`lora_rules` gives the other two as rule presets.
 
 A user rule is ``(pattern, algorithm)`` or a :class:`Rule`; patterns are Python regular
 expressions searched in the parameter's full name (``re.search``).
@@ -102,7 +105,7 @@ LORA_ROUTINGS: tuple[str, ...] = ("muon", "b_muon", "adamw")
 """Where PEFT LoRA factors can go: both on Muon, ``lora_B`` on Muon and ``lora_A`` on AdamW, both on AdamW."""
 _LORA_A, _LORA_B = r"\.lora_A\.", r"\.lora_B\."
 LORA_DEFAULT = "muon"
-"""Where both LoRA factors go without a preset: Muon, as ``muonkit bench lora`` measured best."""
+"""Where both LoRA factors go without a preset (why: the module docstring)."""
 
 
 def lora_rules(routing: str) -> tuple[Rule, ...]:
