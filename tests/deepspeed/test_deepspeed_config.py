@@ -55,6 +55,30 @@ def test_bad_params_name_the_key() -> None:
         MuonkitOptions.from_params({"ns_dtype": "float16"})
 
 
+def test_auto_and_learning_rate_are_refused_explaining_muon_lr_is_not_hf_learning_rate() -> None:
+    # HF's own config check suggests "lr": "auto", which would give Muon the Trainer's AdamW learning_rate.
+    from muonkit.integrations.deepspeed import trainer_setup
+
+    says = r"Muon's lr is not HF's learning_rate \(that one belongs in adamw_lr\).*trainer_setup"
+    with pytest.raises(ValueError, match=rf"\['lr'\] = 'auto'.*{says}"):
+        trainer_setup({"optimizer": {"type": "muonkit.HybridMuon", "params": {"lr": "auto", "adamw_lr": 1e-3}}})
+    with pytest.raises(
+        ValueError, match=r"\['learning_rate'\] \(HF's learning_rate is AdamW's lr: adamw_lr; Muon's is lr\)"
+    ):
+        MuonkitOptions.from_params({"learning_rate": 0.02})
+
+
+def test_make_optimizer_under_trainer_deepspeed_names_trainer_setup_and_the_lrs() -> None:
+    transformers = pytest.importorskip("transformers")
+    from muonkit.integrations.transformers import make_optimizer
+
+    args = transformers.TrainingArguments(output_dir="unused", report_to="none", use_cpu=True)
+    args.deepspeed = {"zero_optimization": {"stage": 2}}  # what deepspeed="ds.json" leaves after parsing
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 2))
+    with pytest.raises(ValueError, match=r"trainer_setup.*Muon's lr, which is not HF's learning_rate.*adamw_lr"):
+        make_optimizer(model, args)
+
+
 def test_another_optimizer_type_is_refused() -> None:
     with pytest.raises(ValueError, match=r"muonkit\.HybridMuon"):
         split_config({"optimizer": {"type": "AdamW", "params": {}}})

@@ -99,7 +99,17 @@ class MuonkitOptions:
         known = [f.name for f in fields(cls)]
         unknown = sorted(set(params) - set(known))
         if unknown:
-            raise ValueError(f"Invalid muonkit optimizer params {unknown}: the allowed keys are {known}")
+            hint = " (HF's learning_rate is AdamW's lr: adamw_lr; Muon's is lr)" if "learning_rate" in unknown else ""
+            raise ValueError(f"Invalid muonkit optimizer params {unknown}{hint}: the allowed keys are {known}")
+        auto = sorted(k for k, v in params.items() if isinstance(v, str) and v == "auto")
+        if auto:
+            raise ValueError(
+                f"Invalid muonkit optimizer params {auto} = 'auto': muonkit takes explicit values. The HF Trainer "
+                "fills 'auto' from TrainingArguments, and its learning_rate is an AdamW lr: Muon's lr is not HF's "
+                'learning_rate (that one belongs in adamw_lr). Write e.g. "lr": 0.02, "adamw_lr": 3e-4, and run the '
+                "Trainer with muonkit.integrations.deepspeed.trainer_setup(config), which removes this section before "
+                "HF checks it against TrainingArguments"
+            )
         if "betas" in params:
             params["betas"] = tuple(params["betas"])
         dtype = params.get("ns_dtype")

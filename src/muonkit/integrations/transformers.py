@@ -134,7 +134,9 @@ def _check_trainer_mode(args: Any | None) -> None:
         raise ValueError(
             "TrainingArguments has deepspeed set: the Trainer then builds the optimizer itself and would "
             "discard this one. Use setup = muonkit.integrations.deepspeed.trainer_setup(config) and "
-            "Trainer(..., args=TrainingArguments(..., deepspeed=setup.deepspeed), **setup.trainer_kwargs())"
+            "Trainer(..., args=TrainingArguments(..., deepspeed=setup.deepspeed), **setup.trainer_kwargs()). "
+            "The config's optimizer params take Muon's lr, which is not HF's learning_rate (that one is AdamW's: "
+            "adamw_lr); never 'auto'"
         )
     if getattr(args, "fsdp", None):
         config = getattr(args, "fsdp_config", None) or {}

@@ -1,0 +1,125 @@
+"""torchtitan (0.3) with muonkit: :class:`muonkit.HybridMuon` as torchtitan's optimizer container.
+
+torchtitan builds its optimizers from a hard-coded table (Adam, AdamW, DistMuon) and routes
+params by regex only. :class:`HybridMuonContainer` is an ``OptimizersContainer`` whose config
+builds one HybridMuon per model part, routed by :func:`muonkit.param_groups` (hidden matrices to
+Muon; embeddings, heads, norms, biases, routers to AdamW)::
+
+    from muonkit.integrations.torchtitan import HybridMuonContainer
+
+    config.optimizer = HybridMuonContainer.Config(lr=0.02, adamw_lr=3e-4, weight_decay=0.01)
+    # torchtitan's Trainer then calls config.optimizer.build(model_parts=model_parts)
+
+Everything else is torchtitan's contract, inherited unchanged: ``step`` / ``zero_grad`` over
+the parts, the flat FQN-keyed ``state_dict`` its checkpointer saves with DCP (param names are
+cleaned with torchtitan's ``canonical_fqn``, so activation-checkpoint and compile wrappers do not
+change the keys), and ``LRSchedulersContainer``, whose ``LambdaLR`` scales each group from its own
+lr (Muon's and AdamW's stay apart). Under FSDP2 (``fully_shard``) the params are DTensors and
+HybridMuon takes its sharded path.
+
+Not silently ignored: torchtitan's ``param_groups`` (muonkit routes by structure: give
+``rules=[(pattern, "muon" | "adamw"), ...]``), ``optimizer_factory_kwargs_by_name``, and an
+``implementation`` other than ``"foreach"`` (torchtitan adds ``fused`` / ``foreach`` keys to every
+group of its own optimizers; HybridMuon batches its math by shape, foreach-style, and has no fused
+kernel) raise ``ValueError``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from muonkit.optimizer import NONFINITE_CHOICES, HybridMuon
+from muonkit.param_groups import no_decay_on_vectors, param_groups
+
+try:
+    from torchtitan.components.checkpointer.utils import canonical_fqn
+    from torchtitan.components.optimizer import OptimizersContainer
+except ImportError as e:  # pragma: no cover - depends on the environment
+    raise ImportError("muonkit's torchtitan integration needs torchtitan: pip install 'muonkit[integrations]'") from e
+
+__all__ = ["HybridMuonContainer"]
+
+logger = logging.getLogger(__name__)
+
+
+class HybridMuonContainer(OptimizersContainer):
+    """torchtitan's ``OptimizersContainer`` holding one :class:`muonkit.HybridMuon` per model part."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(OptimizersContainer.Config):
+        """HybridMuon's settings, as :func:`muonkit.param_groups` and :class:`muonkit.HybridMuon` take them."""
+
+        lr: float = 0.02
+        """Muon lr (hidden matrices; Keller shape scale unless ``muon_options`` says otherwise)."""
+        adamw_lr: float = 3e-4
+        weight_decay: float = 0.0
+        """Muon decoupled weight decay."""
+        adamw_weight_decay: float = 0.0
+        """AdamW weight decay, on >= 2D tensors only when ``no_decay_on_vectors`` (norms, biases: none)."""
+        no_decay_on_vectors: bool = True
+        rules: list[tuple[str, str]] = field(default_factory=list)
+        """Routing overrides, checked first: ``(regex on the param name, "muon" | "adamw")``."""
+        split_qkv: bool = False
+        muon_options: dict[str, Any] = field(default_factory=dict)
+        """Other Muon group keys (``adjust_lr``, ``ns_coefficients``, ``momentum``...)."""
+        adamw_options: dict[str, Any] = field(default_factory=dict)
+        """Other AdamW group keys (``betas``, ``eps``)."""
+        nonfinite: str = "skip"
+        implementation: str = "foreach"
+        """Only ``"foreach"``: HybridMuon batches its math by shape and has no fused kernel."""
+
+    def __init__(self, config: Config, *, model_parts: list[nn.Module]) -> None:
+        _check_config(config)
+        self.optimizers: list[HybridMuon] = []
+        self.model_parts = model_parts
+        all_params: list[nn.Parameter] = []
+        for part_idx, model in enumerate(model_parts):
+            optimizer = HybridMuon(_groups(model, config), nonfinite=config.nonfinite)  # type: ignore[arg-type]
+            self.optimizers.append(optimizer)
+            for group in optimizer.param_groups:
+                all_params.extend(group["params"])
+                logger.info(
+                    "HybridMuon (model_part=%d): %d params on %s, lr %s",
+                    part_idx, len(group["params"]), group["algorithm"], group["lr"],
+                )  # fmt: skip
+        self._validate_params(all_params)
+        self._post_init(all_params)
+
+
+def _groups(model: nn.Module, config: HybridMuonContainer.Config) -> list[dict[str, Any]]:
+    groups = param_groups(
+        model, lr=config.lr, adamw_lr=config.adamw_lr, weight_decay=config.weight_decay,
+        adamw_weight_decay=config.adamw_weight_decay, rules=[(str(p), str(a)) for p, a in config.rules] or None,
+        split_qkv=config.split_qkv, muon_options=config.muon_options, adamw_options=config.adamw_options,
+    )  # fmt: skip
+    if config.no_decay_on_vectors:
+        groups = no_decay_on_vectors(groups)
+    for group in groups:  # the FQNs torchtitan's checkpointer keys optimizer state by
+        group["param_names"] = [canonical_fqn(n) for n in group["param_names"]]
+    return groups
+
+
+def _check_config(config: HybridMuonContainer.Config) -> None:
+    if config.param_groups:
+        raise ValueError(
+            f"HybridMuonContainer.Config has param_groups={config.param_groups!r}: muonkit routes params by model "
+            "structure (muonkit.explain(model) shows where each goes); give overrides as "
+            "rules=[(regex, 'muon' | 'adamw'), ...]"
+        )
+    if config.optimizer_factory_kwargs_by_name:
+        raise ValueError(
+            "HybridMuonContainer.Config has optimizer_factory_kwargs_by_name="
+            f"{config.optimizer_factory_kwargs_by_name!r}: HybridMuon takes none; use muon_options / adamw_options"
+        )
+    if config.implementation != "foreach":
+        raise ValueError(
+            f"Invalid implementation={config.implementation!r} for HybridMuon: must be 'foreach' (it batches its "
+            "math by shape and has no fused or for-loop variant; torch.optim's fused/foreach keys are not group "
+            "keys of HybridMuon)"
+        )
+    if config.nonfinite not in NONFINITE_CHOICES:
+        raise ValueError(f"Invalid nonfinite={config.nonfinite!r}: must be one of {NONFINITE_CHOICES}")
