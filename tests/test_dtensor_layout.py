@@ -15,6 +15,7 @@ import math
 import pytest
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -24,11 +25,29 @@ from muonkit.functional.matrices import MatrixLayout
 
 MESHES = [(4,), (2, 2), (3, 2), (2, 2, 2)]
 SHAPES = [(0, 5), (1, 1), (3, 2), (5, 7), (8, 4), (10, 6), (13, 9)]
-OPTIONS = [Replicate(), Shard(0), Shard(1), _StridedShard(0, split_factor=2), _StridedShard(1, split_factor=3)]
+OPTIONS = [Replicate(), Shard(0), Shard(1)] + [
+    _StridedShard(d, split_factor=f) for d, f in [(0, 2), (1, 2), (0, 3), (1, 4)]
+]
 
 
 def _combos(mesh_shape: tuple[int, ...]) -> list[tuple[object, ...]]:
     return list(itertools.product(OPTIONS, repeat=len(mesh_shape)))
+
+
+class _Sizes:
+    """What torch's shard-order decoder reads of a device mesh: its sizes."""
+
+    def __init__(self, shape: tuple[int, ...]) -> None:
+        self.shape = shape
+
+    def size(self, dim: int) -> int:
+        return self.shape[dim]
+
+
+def decodable(placements: tuple[object, ...], mesh_shape: tuple[int, ...]) -> bool:
+    """Whether torch finds an order of the shardings (else it cannot gather such a DTensor either)."""
+    decode = DTensorSpec._maybe_convert_StridedShard_to_shard_order
+    return decode(placements, _Sizes(mesh_shape)) is not None  # type: ignore[arg-type]
 
 
 def _replication(mesh_shape: tuple[int, ...], placements: tuple[object, ...]) -> int:
@@ -39,8 +58,13 @@ def _replication(mesh_shape: tuple[int, ...], placements: tuple[object, ...]) ->
 def test_boxes_agree_with_torch_shape_arithmetic_and_cover_each_element_once_per_replica(
     mesh_shape: tuple[int, ...],
 ) -> None:
-    checked = 0
+    checked = rejected = 0
     for shape, placements in itertools.product(SHAPES, _combos(mesh_shape)):
+        if not decodable(placements, mesh_shape):
+            with pytest.raises(ValueError, match="give no order in which the mesh dims shard dim"):
+                mesh_boxes(shape, placements, mesh_shape)
+            rejected += 1
+            continue
         boxes = mesh_boxes(shape, placements, mesh_shape)
         hits = torch.zeros(shape, dtype=torch.int64)
         for coordinate, box in boxes.items():
@@ -52,7 +76,8 @@ def test_boxes_agree_with_torch_shape_arithmetic_and_cover_each_element_once_per
             hits.view(-1)[box.read(index)] += 1
         assert torch.all(hits == _replication(mesh_shape, placements)), (shape, placements)
         checked += 1
-    assert checked == len(SHAPES) * len(OPTIONS) ** len(mesh_shape)
+    assert checked + rejected == len(SHAPES) * len(OPTIONS) ** len(mesh_shape)
+    assert checked > 0 and rejected > 0
 
 
 def test_fsdp_over_tensor_parallel_rows_are_strided() -> None:
@@ -101,7 +126,7 @@ def test_tensor_jobs_reassemble_every_layout_from_any_holder() -> None:
 
 @pytest.mark.parametrize(
     "placements",
-    [(Shard(0), Replicate()), (Shard(0), Shard(1)), (Shard(0), _StridedShard(1, split_factor=2)), (Shard(2), Shard(0))],
+    [(Shard(0), Replicate()), (Shard(0), Shard(1)), (_StridedShard(1, split_factor=2), Shard(1)), (Shard(2), Shard(0))],
     ids=str,
 )
 def test_expert_stacks_give_one_job_per_expert_with_the_holders_of_that_expert(placements: tuple) -> None:
@@ -137,7 +162,9 @@ def test_zero_size_params_have_no_jobs_and_empty_pieces_are_left_out() -> None:
 
 
 def test_replicated_holders_are_all_listed() -> None:
-    (job,) = tensor_jobs(0, (4, 4), MatrixLayout(), rank_boxes((4, 4), (Replicate(), Shard(0)), torch.arange(4).view(2, 2)))
+    (job,) = tensor_jobs(
+        0, (4, 4), MatrixLayout(), rank_boxes((4, 4), (Replicate(), Shard(0)), torch.arange(4).view(2, 2))
+    )
     assert [(p.rank, p.region) for p in job.held] == [
         (0, Box((((0, 2),), ((0, 4),)))),
         (1, Box((((2, 4),), ((0, 4),)))),
@@ -150,13 +177,16 @@ def test_replicated_holders_are_all_listed() -> None:
     ("placements", "message"),
     [
         ((Shard(0), Partial()), r"Unsupported DTensor placement Partial\(sum\) on mesh dim 1 .* a Partial param holds"),
-        ((Shard(2),), r"Invalid DTensor placement Shard\(dim=2\) on mesh dim 0: a param of shape \(4, 4\) has no dim 2"),
+        (
+            (Shard(2),),
+            r"Invalid DTensor placement Shard\(dim=2\) on mesh dim 0: a param of shape \(4, 4\) .* has no dim 2",
+        ),
     ],
 )
 def test_unreadable_placements_raise_naming_them_and_what_is_supported(placements: tuple, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        check_placements((4, 4), placements)
-    with pytest.raises(ValueError, match="Shard\\(d\\), _StridedShard|has no dim"):
+        check_placements((4, 4), placements, (2,) * len(placements))
+    with pytest.raises(ValueError, match=r"Shard\(d\), _StridedShard|has no dim"):
         mesh_boxes((4, 4), placements, (2,) * len(placements))
 
 
@@ -164,6 +194,6 @@ def test_an_explicit_shard_order_other_than_mesh_order_raises() -> None:
     from torch.distributed.tensor._dtensor_spec import ShardOrderEntry
 
     placements = (Shard(0), Shard(0))
-    check_placements((8, 4), placements, shard_order=(ShardOrderEntry(0, (0, 1)),))  # the default: fine
+    check_placements((8, 4), placements, (2, 2), shard_order=(ShardOrderEntry(0, (0, 1)),))  # the default: fine
     with pytest.raises(ValueError, match=r"Unsupported DTensor shard order .* mesh dim order"):
-        check_placements((8, 4), placements, shard_order=(ShardOrderEntry(0, (1, 0)),))
+        check_placements((8, 4), placements, (2, 2), shard_order=(ShardOrderEntry(0, (1, 0)),))

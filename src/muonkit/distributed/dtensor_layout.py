@@ -47,51 +47,86 @@ from torch.distributed.tensor.placement_types import Placement, _StridedShard
 from muonkit.distributed.pieces import Box, Expert, Job, Piece, Runs
 from muonkit.functional.matrices import MatrixLayout
 
-__all__ = ["SUPPORTED", "MeshGroup", "check_placements", "dim_runs", "mesh_boxes", "mesh_group", "rank_boxes", "tensor_jobs"]
+__all__ = [
+    "SUPPORTED",
+    "MeshGroup",
+    "check_placements",
+    "dim_runs",
+    "mesh_boxes",
+    "mesh_group",
+    "rank_boxes",
+    "tensor_jobs",
+]
 
 SUPPORTED = "Shard(d), _StridedShard(d, split_factor=f) (FSDP2 over tensor parallel) and Replicate() on any mesh dim"
 
-Split = tuple[Placement, int, int]
+Split = tuple[Shard | _StridedShard, int, int]
 """One mesh dim's cut of a tensor dim: ``(placement on dim 0, mesh dim size, coordinate)``."""
 
 
-def check_placements(shape: Sequence[int], placements: Sequence[Placement], *, shard_order: Any = None) -> None:
-    """Raise ``ValueError`` unless every placement is one :func:`mesh_boxes` reads.
+def check_placements(
+    shape: Sequence[int], placements: Sequence[Placement], mesh_shape: Sequence[int], *, shard_order: Any = None
+) -> None:
+    """Raise ``ValueError`` unless :func:`mesh_boxes` reads these placements.
 
-    ``shard_order``: the DTensor spec's explicit order of the shardings of one tensor dim over
-    several mesh dims, when it is not the default left-to-right one (not read).
+    Read: ``Replicate()``, ``Shard(d)``, and ``_StridedShard(d, split_factor=f)`` where ``f``
+    tells in which order the mesh dims shard ``d`` (torch's rule, as its redistribution decodes
+    it: ``f`` is the product of the sizes of the mesh dims that shard ``d`` before it).
+    ``shard_order``: the DTensor spec's explicit order of several shardings of one tensor dim,
+    read only when it is the default (mesh dim order).
     """
+    if len(placements) != len(mesh_shape):
+        raise ValueError(f"{len(placements)} placements {tuple(placements)} for a {len(mesh_shape)}-D mesh")
+    what = f"a param of shape {tuple(shape)} with placements {tuple(placements)}"
     for i, p in enumerate(placements):
         if isinstance(p, Replicate):
             continue
         if not isinstance(p, Shard | _StridedShard):
+            hint = "; a Partial param holds unreduced values: redistribute it first" if p.is_partial() else ""
             raise ValueError(
-                f"Unsupported DTensor placement {p!r} on mesh dim {i} of a param of shape {tuple(shape)} "
-                f"(placements {tuple(placements)}): HybridMuon reads {SUPPORTED}"
-                + (
-                    "; a Partial param holds unreduced values, redistribute it to Replicate() or Shard()"
-                    if p.is_partial()
-                    else ""
-                )
+                f"Unsupported DTensor placement {p!r} on mesh dim {i} of {what}: HybridMuon reads {SUPPORTED}{hint}"
             )
         if not -len(shape) <= p.dim < len(shape):
+            raise ValueError(f"Invalid DTensor placement {p!r} on mesh dim {i}: {what} has no dim {p.dim}")
+    for dim in range(len(shape)):
+        if _shard_order_of(dim, len(shape), placements, mesh_shape) is None:
             raise ValueError(
-                f"Invalid DTensor placement {p!r} on mesh dim {i}: a param of shape {tuple(shape)} has no dim {p.dim}"
+                f"Unsupported DTensor placements of {what} on a mesh of shape {tuple(mesh_shape)}: their "
+                f"split factors give no order in which the mesh dims shard dim {dim} (torch cannot gather it "
+                f"either); HybridMuon reads {SUPPORTED}"
             )
-    if shard_order is not None and any(isinstance(p, _StridedShard) for p in placements):
-        return
-    if shard_order is not None and tuple(shard_order) != _default_order(shape, placements):
+    if shard_order is not None and tuple(shard_order) != _default_order(placements):
         raise ValueError(
-            f"Unsupported DTensor shard order {tuple(shard_order)} of a param of shape {tuple(shape)} with placements "
-            f"{tuple(placements)}: HybridMuon reads shardings applied in mesh dim order (the default, or as "
-            f"_StridedShard encodes them), with {SUPPORTED}"
+            f"Unsupported DTensor shard order {tuple(shard_order)} of {what}: HybridMuon reads shardings applied "
+            f"in mesh dim order (the default, or as _StridedShard encodes them), with {SUPPORTED}"
         )
 
 
-def _default_order(shape: Sequence[int], placements: Sequence[Placement]) -> tuple[Any, ...]:
+def _shard_order_of(
+    dim: int, ndim: int, placements: Sequence[Placement], mesh_shape: Sequence[int]
+) -> list[int] | None:
+    """The mesh dims that shard tensor dim ``dim``, in the order they cut it; None: no such order.
+
+    Right to left, a ``Shard`` (split factor 1) or ``_StridedShard`` with split factor ``f``
+    goes where the mesh dims already placed before it multiply to ``f``
+    (``DTensorSpec._maybe_convert_StridedShard_to_shard_order``'s rule).
+    """
+    order: list[int] = []
+    for i in reversed(range(len(placements))):
+        p = placements[i]
+        if not isinstance(p, Shard | _StridedShard) or p.dim % ndim != dim:
+            continue
+        factor = int(p.split_factor) if isinstance(p, _StridedShard) else 1
+        sizes = [math.prod(mesh_shape[j] for j in order[:k]) for k in range(len(order) + 1)]
+        if factor not in sizes:
+            return None
+        order.insert(sizes.index(factor), i)
+    return order
+
+
+def _default_order(placements: Sequence[Placement]) -> tuple[Any, ...]:
     from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
-    del shape
     return tuple(DTensorSpec.compute_default_shard_order(tuple(placements)))
 
 
@@ -129,11 +164,11 @@ def mesh_boxes(
 
     ``placements``: one per mesh dim (checked by :func:`check_placements`).
     """
-    check_placements(shape, placements)
-    if len(placements) != len(mesh_shape):
-        raise ValueError(f"{len(placements)} placements {placements} for a {len(mesh_shape)}-D mesh {mesh_shape}")
+    check_placements(shape, placements, mesh_shape)
     ndim = len(shape)
-    cuts: list[list[tuple[int, Placement]]] = [[] for _ in shape]  # per tensor dim: (mesh dim, placement on dim 0)
+    cuts: list[list[tuple[int, Shard | _StridedShard]]] = [
+        [] for _ in shape
+    ]  # per tensor dim: (mesh dim, placement on dim 0)
     for i, p in enumerate(placements):
         if isinstance(p, _StridedShard):
             cuts[p.dim % ndim].append((i, _StridedShard(0, split_factor=p.split_factor)))
@@ -195,52 +230,104 @@ def _flat(index: Sequence[int], shape: Sequence[int]) -> int:
 
 @dataclass(frozen=True)
 class MeshGroup:
-    """One process group over every rank of some device meshes, and each mesh's ranks in it."""
+    """One process group over every rank of the params' device meshes, and where each mesh sits in it.
+
+    A param on a mesh over fewer ranks than the others (a layer left out of tensor parallelism
+    is ``fully_shard``-ed on the ``dp`` sub-mesh of a ``(dp, tp)`` mesh; dense layers on ``dp``
+    beside experts on ``ep``) is read on the mesh that joins them, replicated over the dims it
+    lacks: every rank there holds the same part as its ``dp`` coordinate says.
+    """
 
     group: Any
     ranks: dict[DeviceMesh, torch.Tensor]
-    """Per mesh: a mesh-shaped tensor, the group rank at each mesh coordinate."""
+    """Per param mesh: the group rank at each coordinate of the mesh it is read on."""
+    dims: dict[DeviceMesh, tuple[int | None, ...]]
+    """Per param mesh: for each dim of the mesh it is read on, its own dim there (None: replicated)."""
+
+    def boxes(self, param: Any) -> list[tuple[int, Box]]:
+        """``(group rank, box)`` of every rank for a DTensor ``param`` (see :func:`rank_boxes`)."""
+        mesh, shape = param.device_mesh, tuple(param.shape)
+        spec = param._spec
+        order = None if getattr(spec, "use_strided_shard_as_shard_order", True) else spec.shard_order
+        check_placements(shape, param.placements, mesh.shape, shard_order=order)
+        placements = tuple(Replicate() if d is None else param.placements[d] for d in self.dims[mesh])
+        return rank_boxes(shape, placements, self.ranks[mesh])
 
 
 def mesh_group(meshes: Sequence[DeviceMesh], *, process_group: Any = None) -> MeshGroup:
-    """The one process group spanning every rank of ``meshes``, which must span the same ranks.
+    """The one process group spanning every rank of ``meshes``.
 
-    In order of preference: ``process_group`` when given; the group of a 1-D mesh among them;
-    the default group when the meshes span every rank; else the first N-D mesh flattened
-    (``DeviceMesh._flatten``: every rank must call this, each with its own meshes, as when each
-    pipeline stage steps its params on its own sub-mesh of one named root mesh).
+    The meshes must span the same ranks, or be sub-meshes of one named root mesh (then they are
+    read on ``root[their dims]``, see :class:`MeshGroup`). The group, in order of preference:
+    ``process_group`` when given; the group of a 1-D mesh over all those ranks; the default
+    group when they are every rank; else the joined mesh flattened (``DeviceMesh._flatten``:
+    every rank must call this, each with its own meshes, as when each pipeline stage steps its
+    params on its own sub-mesh of one root mesh).
     """
     meshes = list(dict.fromkeys(meshes))
-    spans = [frozenset(int(g) for g in mesh.mesh.reshape(-1).tolist()) for mesh in meshes]
-    if len(set(spans)) > 1:
-        listed = "; ".join(f"{mesh!r}: ranks {sorted(s)}" for mesh, s in zip(meshes, spans, strict=True))
-        raise ValueError(
-            f"HybridMuon got DTensor params on device meshes that span different ranks ({listed}); each matrix "
-            "is orthogonalized once over one group, so all params of one optimizer must live on meshes over the "
-            "same ranks (build one optimizer per pipeline stage, over that stage's params)"
-        )
-    span = spans[0]
-    group = process_group if process_group is not None else _spanning_group(meshes, span)
+    joined, dims = _joined(meshes)
+    span = _span(joined)
+    group = process_group if process_group is not None else _spanning_group([*meshes, joined], span)
     members = dist.get_process_group_ranks(group)
     if frozenset(members) != span:
         raise ValueError(
             f"process_group= spans ranks {sorted(members)}; the DTensor params' device meshes span {sorted(span)}: "
             "leave process_group=None with DTensor params, or pass a group over exactly the mesh's ranks"
         )
-    ranks = {
-        mesh: torch.tensor([dist.get_group_rank(group, g) for g in mesh.mesh.reshape(-1).tolist()]).view(mesh.shape)
-        for mesh in meshes
-    }
-    return MeshGroup(group, ranks)
+    ranks: dict[DeviceMesh, torch.Tensor] = {}
+    for mesh in meshes:
+        on = mesh if dims[mesh] == tuple(range(mesh.ndim)) and _span(mesh) == span else joined
+        order = [dist.get_group_rank(group, g) for g in on.mesh.reshape(-1).tolist()]
+        ranks[mesh] = torch.tensor(order).view(on.shape)
+        if on is mesh:
+            dims[mesh] = tuple(range(mesh.ndim))
+    return MeshGroup(group, ranks, dims)
+
+
+def _span(mesh: DeviceMesh) -> frozenset[int]:
+    return frozenset(int(g) for g in mesh.mesh.reshape(-1).tolist())
+
+
+def _joined(meshes: list[DeviceMesh]) -> tuple[DeviceMesh, dict[DeviceMesh, tuple[int | None, ...]]]:
+    """The mesh the params are read on, and each mesh's dims in it."""
+    spans = [_span(mesh) for mesh in meshes]
+    widest = max(range(len(meshes)), key=lambda i: (len(spans[i]), meshes[i].ndim))
+    if len(set(spans)) == 1:
+        return meshes[widest], {mesh: tuple(range(mesh.ndim)) for mesh in meshes}
+    root = meshes[0]._get_root_mesh()
+    names = root.mesh_dim_names or ()
+    if all(m._get_root_mesh() is root and set(m.mesh_dim_names or ["?"]) <= set(names) for m in meshes):
+        used = {n for m in meshes for n in m.mesh_dim_names or ()}
+        joined_names = tuple(n for n in names if n in used)
+        joined = root if joined_names == names else root[joined_names]
+        dims = {m: _dims_in(m, joined_names) for m in meshes}
+        return joined, dims
+    listed = "; ".join(f"{mesh!r}: ranks {sorted(s)}" for mesh, s in zip(meshes, spans, strict=True))
+    raise ValueError(
+        f"HybridMuon got DTensor params on device meshes over different ranks ({listed}) that are not sub-meshes "
+        "of one root mesh by dim name; each matrix is orthogonalized once over one group, so all params of one "
+        "optimizer must live on meshes over the same ranks or on named sub-meshes of one root mesh (under pipeline "
+        "parallelism: one optimizer per stage, over that stage's params)"
+    )
+
+
+def _dims_in(mesh: DeviceMesh, joined_names: tuple[str, ...]) -> tuple[int | None, ...]:
+    own = list(mesh.mesh_dim_names or ())
+    if own != [n for n in joined_names if n in own]:
+        raise ValueError(
+            f"Unsupported DTensor device mesh {mesh!r}: its dims {tuple(own)} are in another order than in its root "
+            f"mesh ({joined_names}); HybridMuon reads sub-meshes whose dims keep the root's order"
+        )
+    return tuple(own.index(n) if n in own else None for n in joined_names)
 
 
 def _spanning_group(meshes: list[DeviceMesh], span: frozenset[int]) -> Any:
     for mesh in meshes:
-        if mesh.ndim == 1:
+        if mesh.ndim == 1 and _span(mesh) == span:
             return mesh.get_group()
     if len(span) == dist.get_world_size():
         return dist.group.WORLD
-    mesh = meshes[0]
+    mesh = meshes[-1]
     if not mesh.mesh_dim_names:
         raise ValueError(
             f"HybridMuon needs one process group over the {len(span)} ranks of the device mesh {mesh!r} of its "
