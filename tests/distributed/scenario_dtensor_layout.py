@@ -11,12 +11,14 @@ every job (a whole tensor, or one expert) from its pieces alone.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import math
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from common import mismatch
 from harness import Context, check
 from torch import Tensor, nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -26,6 +28,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.distributed.tensor.placement_types import _StridedShard
 
+import muonkit
 from muonkit.distributed.dtensor_layout import mesh_group, rank_boxes, tensor_jobs
 from muonkit.distributed.pieces import local_part
 from muonkit.functional.matrices import MatrixLayout
@@ -248,3 +251,94 @@ def params_on_several_meshes_of_the_same_ranks(ctx: Context) -> None:
         assert "not sub-meshes of one root mesh" in str(e), e
     else:
         raise AssertionError("params on meshes over different ranks of different roots must raise")
+
+
+# -- end to end: HybridMuon on N-D meshes equals one device ------------------------------------
+
+
+def _gather_whole(t: Tensor, spanned: Any) -> Tensor:
+    """The whole of DTensor ``t``, from every rank's local tensor and its box (collective).
+
+    Not ``full_tensor()``: torch 2.13 cannot gather an uneven ``_StridedShard`` DTensor.
+    """
+    everyone: list[Any] = [None] * dist.get_world_size(spanned.group)
+    dist.all_gather_object(everyone, t.to_local(), group=spanned.group)
+    whole = torch.full(tuple(t.shape), float("nan"), dtype=t.dtype)
+    for rank, box in spanned.boxes(t):
+        if box.numel:
+            box.write(whole, everyone[rank].reshape(-1))
+    return whole
+
+
+def _groups(model: nn.Module) -> list[dict[str, Any]]:
+    """``muonkit.param_groups``, with the fused QKV cut into Q, K and V blocks (TP cuts K in half)."""
+    groups = muonkit.param_groups(model)
+    named = dict(model.named_parameters())
+    for group in groups:
+        if "qkv.weight" in group.get("param_names", []):
+            keep = [i for i, n in enumerate(group["param_names"]) if n != "qkv.weight"]
+            group["params"] = [group["params"][i] for i in keep]
+            group["param_names"] = [group["param_names"][i] for i in keep]
+            return [
+                *groups,
+                {**group, "params": [named["qkv.weight"]], "param_names": ["qkv.weight"], "split_sizes": (4, 4, 4)},
+            ]
+    raise AssertionError("no qkv.weight")
+
+
+def _beside_single(shard: Any, *, label: str, steps: int = 3) -> None:
+    """``steps`` of HybridMuon on the layout ``shard(model)`` makes and on one device, same gradients."""
+    torch.manual_seed(0)
+    model = Block()
+    with torch.no_grad():
+        model.experts.normal_()
+    control = copy.deepcopy(model)
+    shard(model)
+    opt = muonkit.HybridMuon(_groups(model))
+    ref = muonkit.HybridMuon(_groups(control), strategy=muonkit.distributed.SingleDeviceStrategy())
+    names = [n for n, _ in control.named_parameters()]
+    params, ref_params = dict(model.named_parameters()), dict(control.named_parameters())
+    initial = {n: p.detach().clone() for n, p in ref_params.items()}
+    for step in range(steps):
+        for i, n in enumerate(names):
+            g = torch.randn(ref_params[n].shape, generator=torch.Generator().manual_seed(100 * step + i))
+            ref_params[n].grad = g * 10.0 ** (i % 3 - 1)
+            p = params[n]
+            p.grad = distribute_tensor(ref_params[n].grad, p.device_mesh, p.placements, src_data_rank=None)
+        opt.step()
+        ref.step()
+    spanned = opt.strategy.layout
+    problems = []
+    for n in names:
+        p, r = params[n], ref_params[n]
+        muon = r.ndim >= 2
+        why = mismatch(_gather_whole(p.detach(), spanned), r.detach(), initial=initial[n], tol=1e-4 if muon else None)
+        problems += [] if why is None else [f"{n}: {why}"]
+        for key, value in ref.state[r].items():
+            mine = opt.state[p][key]
+            why = mismatch(_gather_whole(mine, spanned) if isinstance(mine, DTensor) else mine, value)
+            problems += [] if why is None else [f"{n} {key}: {why}"]
+    assert not problems, f"{label}: " + "; ".join(problems)
+    done = torch.tensor([opt.strategy.stats.matrices])
+    dist.all_reduce(done, group=spanned.group)
+    # each expert and each split block is one matrix; ranks together do the single device's work, once
+    assert done.item() == ref.strategy.stats.matrices == steps * (3 + 4 + 3), (done.item(), ref.strategy.stats.matrices)
+    assert opt.strategy.comm.world_size == dist.get_world_size(), "one group over every rank of the mesh"
+
+
+@check(4)
+def hsdp_equals_one_device(ctx: Context) -> None:
+    del ctx
+    _beside_single(lambda m: fully_shard(m, mesh=_mesh((2, 2), ("replicate", "shard"))), label="HSDP 2x2")
+
+
+@check(4)
+def fsdp2_with_tensor_parallel_equals_one_device(ctx: Context) -> None:
+    del ctx
+    mesh = _mesh((2, 2), ("dp", "tp"))
+
+    def shard(model: nn.Module) -> None:
+        parallelize_module(model, mesh["tp"], TP_PLAN)
+        fully_shard(model, mesh=mesh["dp"])  # tiny and the experts: on dp only, replicated over tp
+
+    _beside_single(shard, label="FSDP2+TP 2x2")

@@ -1,46 +1,51 @@
-"""DTensor params sharded on dim 0 (FSDP2 ``fully_shard``): a layout reader for the one planner.
+"""DTensor params on any device mesh (FSDP2, HSDP, tensor / expert parallel, pipeline stages): a layout reader.
 
-``fully_shard`` stores each parameter, its gradient and (here) its optimizer state as a DTensor
-sharded on dim 0 over a 1-D mesh, in ``torch.chunk`` pieces: rank r holds rows
-``[r*c, min((r+1)*c, n))`` with ``c = ceil(n / W)``; trailing ranks may hold nothing. Momentum
-and AdamW are elementwise and run on those local pieces. For orthogonalization each Muon tensor
-is described as :class:`~muonkit.distributed.pieces.Job` s:
+``fully_shard``, ``parallelize_module`` and ``distribute_tensor`` store each parameter, its
+gradient and (here) its optimizer state as a DTensor: a global shape, a device mesh and one
+placement per mesh dim (``Shard(d)``, ``_StridedShard(d, split_factor=f)`` when FSDP2 shards a
+tensor-parallel param, ``Replicate()``). Momentum and AdamW are elementwise and run on the local
+tensors. For orthogonalization :mod:`muonkit.distributed.dtensor_layout` says which part of the
+whole tensor every rank holds (a :class:`~muonkit.distributed.pieces.Box`: row blocks, column
+blocks, strided row sets, their products, whole replicated copies) and cuts each Muon param into
+:class:`~muonkit.distributed.pieces.Job` s: one per tensor, one per expert matrix of a stack.
 
-- a 3D+ expert stack (dim 0 counts experts, so each rank holds whole experts): one job per
-  expert, held whole by its rank, which orthogonalizes it (nothing is sent);
-- any other tensor: one job whose rank r holds the row box ``[start_r, stop_r) x everything``.
-  A tensor whose rows all sit on one rank stays there; the others get an owner balanced by
-  Newton-Schulz cost (:mod:`muonkit.distributed.planner`).
+The one planner picks one owner per job over every rank of the mesh (not once per replica: an
+HSDP or TP layout is orthogonalized once, not once per replica group), preferring ranks that hold
+most of it; the executor (:mod:`muonkit.distributed.executor`) brings the pieces there, replicated
+copies sent once, and each holder its region of the result. Directions match
+:class:`SingleDeviceStrategy` as :mod:`muonkit.distributed.replicated` says: states bit for bit,
+params too where batched products are batch-size independent.
 
-The executor (:mod:`muonkit.distributed.executor`) sends, per set of matrix shapes, the row
-pieces to owners in one ``all_to_all`` (the update dtype, exact) and each rank its rows of the
-results in a second one (the Newton-Schulz compute dtype, lossless), with every gather started at
-once, local matrices computed while they travel and each return overlapping the next
-Newton-Schulz. Directions match :class:`SingleDeviceStrategy` as
-:mod:`muonkit.distributed.replicated` says: states bit for bit, params too where batched
-products are batch-size independent.
+Params on several meshes are one layout when the meshes span the same ranks (dense layers on a
+flattened ``dp`` mesh, experts on ``(ep, dp)``) or are named sub-meshes of one root mesh (a layer
+left out of tensor parallelism, ``fully_shard``-ed on ``dp`` of ``(dp, tp)``: replicated over
+``tp``); see :func:`~muonkit.distributed.dtensor_layout.mesh_group`.
 
-Example (under ``torchrun``)::
+Example (under ``torchrun``, any of FSDP2, HSDP, TP, FSDP2 + TP, EP; under pipeline
+parallelism one optimizer per stage, over that stage's params)::
 
+    mesh = init_device_mesh("cuda", (2, 4), mesh_dim_names=("dp", "tp"))
+    parallelize_module(model, mesh["tp"], plan)
     for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
     opt = muonkit.HybridMuon(muonkit.param_groups(model))  # picks this strategy from the DTensors
 """
 
 from __future__ import annotations
 
-import math
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
 from muonkit.config import MuonConfig
+from muonkit.distributed.dtensor_layout import mesh_group, tensor_jobs
 from muonkit.distributed.executor import PlannedStrategy
-from muonkit.distributed.pieces import Box, Expert, Job, Piece
-from muonkit.functional.matrices import MatrixLayout
+from muonkit.distributed.pieces import Job
 
 __all__ = ["DTensorStrategy", "dim0_sizes"]
 
@@ -52,18 +57,21 @@ def dim0_sizes(n: int, world_size: int) -> list[int]:
 
 
 class DTensorStrategy(PlannedStrategy):
-    """Params, grads and states sharded on dim 0 over a 1-D device mesh (FSDP2)."""
+    """DTensor params on one or more device meshes of any dimension, over one process group.
+
+    ``mesh``: the params' device mesh, or a sequence of them (see the module docstring);
+    ``process_group``: the group to use (default: one over every rank of the meshes, see
+    :func:`~muonkit.distributed.dtensor_layout.mesh_group`).
+    """
 
     name = "fsdp2"
 
-    def __init__(self, mesh: DeviceMesh) -> None:
-        if mesh.ndim != 1:
-            raise NotImplementedError(
-                f"HybridMuon supports DTensor params on a 1-D device mesh (FSDP2 fully_shard); got a {mesh.ndim}-D mesh "
-                f"{mesh!r} (HSDP and tensor parallelism are not supported yet)"
-            )
-        super().__init__(mesh.get_group())
-        self.mesh = mesh
+    def __init__(self, mesh: DeviceMesh | Sequence[DeviceMesh], *, process_group: Any | None = None) -> None:
+        meshes = [mesh] if isinstance(mesh, DeviceMesh) else list(mesh)
+        self.layout = mesh_group(meshes, process_group=process_group)
+        super().__init__(self.layout.group)
+        self.meshes = meshes
+        self.mesh = meshes[0]
 
     def local(self, t: Tensor) -> Tensor:
         return t.to_local() if isinstance(t, DTensor) else t
@@ -73,42 +81,30 @@ class DTensorStrategy(PlannedStrategy):
 
     def check_params(self, params: list[Tensor]) -> None:
         for param in params:
-            if not isinstance(param, DTensor):
-                raise ValueError(
-                    f"{type(self).__name__} needs DTensor params; got a plain tensor of shape {tuple(param.shape)}"
-                )
-            if param.device_mesh != self.mesh or tuple(param.placements) != (Shard(0),):
-                raise ValueError(
-                    f"Invalid DTensor param of shape {tuple(param.shape)}: placements {param.placements} on "
-                    f"{param.device_mesh!r}; HybridMuon needs (Shard(0),) on {self.mesh!r} (FSDP2's default)"
-                )
+            self._boxes(param)
 
     def jobs(self, params: list[Tensor], updates: list[Tensor], config: MuonConfig) -> list[Job]:
-        self.check_params(params)
         return [
-            job for i, (p, u) in enumerate(zip(params, updates, strict=True)) for job in self._jobs(i, p, u, config)
+            job for i, p in enumerate(params) for job in tensor_jobs(i, tuple(p.shape), config.layout, self._boxes(p))
         ]
 
-    def _jobs(self, index: int, param: Tensor, update: Tensor, config: MuonConfig) -> list[Job]:
-        shape = tuple(param.shape)
-        sizes = dim0_sizes(shape[0], self.comm.world_size)
-        if math.prod(shape) == 0:  # empty directions, nothing to send (FSDP2 shards it as (0, 0) everywhere)
-            return []
-        if update.size(0) != sizes[self.comm.rank]:
-            raise RuntimeError(f"Local shard of a {shape} param has {update.size(0)} rows; expected {sizes}")
-        starts = [sum(sizes[:r]) for r in range(len(sizes))]
-        if config.layout.resolved(len(shape)) == "experts":  # whole experts on each rank: one job each
-            matrix, per_row = shape[-2:], math.prod(shape[1:-2])
-            layout = MatrixLayout("matrix", config.layout.split_sizes)
-            return [
-                Job(index, matrix, layout, (Piece(r, Box.full(matrix), Expert(k)),))
-                for r, (start, n) in enumerate(zip(starts, sizes, strict=True))
-                for k in range(n * per_row)
-            ]
-        rest = tuple(((0, d),) for d in shape[1:])
-        held = tuple(
-            Piece(r, Box((((start, start + n),), *rest)))
-            for r, (start, n) in enumerate(zip(starts, sizes, strict=True))
-            if n
-        )
-        return [Job(index, shape, config.layout, held)]
+    def _boxes(self, param: Tensor) -> list[Any]:
+        if not isinstance(param, DTensor):
+            raise ValueError(
+                f"{type(self).__name__} needs DTensor params; got a plain tensor of shape {tuple(param.shape)}"
+            )
+        if param.device_mesh not in self.layout.ranks:
+            raise ValueError(
+                f"Invalid DTensor param of shape {tuple(param.shape)} on {param.device_mesh!r}: this optimizer's "
+                f"params live on {self.meshes!r}; build the optimizer over all its params at once"
+            )
+        boxes = self.layout.boxes(param)
+        mine, local = dict(boxes)[self.comm.rank], param.to_local()
+        if tuple(local.shape) != mine.shape and local.numel() + mine.numel:  # FSDP2 may store nothing as (0, 0, c)
+            raise ValueError(
+                f"Unsupported DTensor param of shape {tuple(param.shape)} with placements {param.placements} on "
+                f"{param.device_mesh!r}: its local tensor has shape {tuple(local.shape)} where torch's "
+                f"sharding gives {mine.shape} (a DTensor.from_local with its own uneven pieces?); HybridMuon reads "
+                "DTensors laid out as distribute_tensor, fully_shard and parallelize_module lay them out"
+            )
+        return boxes
