@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import itertools
 import math
+import re
 from typing import Any
 
 import torch
@@ -23,7 +24,7 @@ from harness import Context, check
 from torch import Tensor, nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.distributed.tensor.placement_types import _StridedShard
@@ -342,3 +343,44 @@ def fsdp2_with_tensor_parallel_equals_one_device(ctx: Context) -> None:
         fully_shard(model, mesh=mesh["dp"])  # tiny and the experts: on dp only, replicated over tp
 
     _beside_single(shard, label="FSDP2+TP 2x2")
+
+
+def _raises_before_step(param: Tensor, message: str) -> None:
+    """HybridMuon over ``param`` raises ``message`` on its first step (on every rank), leaving it unchanged."""
+    param = nn.Parameter(param)
+    before = param.to_local().clone()
+    opt = muonkit.HybridMuon([param])
+    param.grad = DTensor.from_local(
+        torch.ones_like(param.to_local()),
+        param.device_mesh,
+        param.placements,
+        run_check=False,
+        shape=param.shape,
+        stride=param.stride(),
+    )
+    try:
+        opt.step()
+    except ValueError as e:
+        assert re.search(message, str(e)), e
+    else:
+        raise AssertionError(f"no error, expected {message}")
+    assert torch.equal(param.to_local(), before) and not opt.state, "changed before raising"
+
+
+@check(4)
+def layouts_out_of_reach_raise_before_the_first_step(ctx: Context) -> None:
+    mesh = _mesh((2, 2), ("a", "b"))
+    local = torch.randn(2, 4)
+    partial = DTensor.from_local(local, mesh, [Shard(0), Partial()], run_check=False)
+    _raises_before_step(
+        partial, r"Unsupported DTensor placement Partial\(sum\) on mesh dim 1 .* HybridMuon reads Shard\(d\)"
+    )
+    # its own uneven pieces: 1 row on every rank of an 8-row tensor, where torch.chunk gives 2
+    uneven = DTensor.from_local(
+        local[:1], init_device_mesh("cpu", (ctx.world_size,)), [Shard(0)], run_check=False, shape=(8, 4), stride=(4, 1)
+    )
+    _raises_before_step(uneven, r"its local tensor has shape \(1, 4\) where torch's sharding gives \(2, 4\)")
+    # two strided shardings of one dim that no order of the mesh dims explains
+    strided = [_StridedShard(0, split_factor=2), _StridedShard(0, split_factor=2)]
+    odd = distribute_tensor(_whole((8, 4)), mesh, strided, src_data_rank=None)
+    _raises_before_step(odd, r"give no order in which the mesh dims shard dim 0")

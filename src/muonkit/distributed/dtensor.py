@@ -72,6 +72,7 @@ class DTensorStrategy(PlannedStrategy):
         super().__init__(self.layout.group)
         self.meshes = meshes
         self.mesh = meshes[0]
+        self._jobs: dict[Any, list[Job]] = {}  # a param's jobs depend only on its layout: built once
 
     def local(self, t: Tensor) -> Tensor:
         return t.to_local() if isinstance(t, DTensor) else t
@@ -84,9 +85,15 @@ class DTensorStrategy(PlannedStrategy):
             self._boxes(param)
 
     def jobs(self, params: list[Tensor], updates: list[Tensor], config: MuonConfig) -> list[Job]:
-        return [
-            job for i, p in enumerate(params) for job in tensor_jobs(i, tuple(p.shape), config.layout, self._boxes(p))
-        ]
+        out = []
+        for i, p in enumerate(params):
+            spec = (tuple(p.placements), p.device_mesh) if isinstance(p, DTensor) else None
+            key = (i, tuple(p.shape), spec, config.layout)
+            jobs = self._jobs.get(key)
+            if jobs is None:
+                jobs = self._jobs[key] = tensor_jobs(i, tuple(p.shape), config.layout, self._boxes(p))
+            out += jobs
+        return out
 
     def _boxes(self, param: Tensor) -> list[Any]:
         if not isinstance(param, DTensor):

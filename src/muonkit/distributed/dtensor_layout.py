@@ -190,7 +190,7 @@ def rank_boxes(shape: Sequence[int], placements: Sequence[Placement], ranks: tor
     ``ranks``: a mesh-shaped integer tensor, the process group rank at each mesh coordinate.
     """
     boxes = mesh_boxes(tuple(int(n) for n in shape), tuple(placements), tuple(ranks.shape))
-    return sorted((int(ranks[c]), box) for c, box in boxes.items())
+    return sorted(zip(ranks.reshape(-1).tolist(), boxes.values(), strict=True))  # both in row-major order
 
 
 def tensor_jobs(
