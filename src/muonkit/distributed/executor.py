@@ -40,7 +40,7 @@ from muonkit.config import MuonConfig
 from muonkit.distributed.agreement import Setting
 from muonkit.distributed.base import Strategy
 from muonkit.distributed.collectives import Collectives, Pending, group_of
-from muonkit.distributed.pieces import Job, Piece, local_part
+from muonkit.distributed.pieces import Box, Job, Piece, Region, Span, local_part
 from muonkit.distributed.planner import Plan, job_cost, make_plan, scale_of, wire_dtype
 from muonkit.functional.muon import NSOptions, muon_directions
 
@@ -71,7 +71,7 @@ class PlannedStrategy(Strategy):
     def check_participation(self, has_grad: Sequence[bool], settings: Callable[[], Sequence[Setting]] = list) -> None:
         self.comm.check_agreement([*settings(), Setting("strategy", self.name)], has_grad)
 
-    def muon_directions(self, params: list[Tensor], updates: list[Tensor], config: MuonConfig) -> list[Tensor]:
+    def directions(self, params: list[Tensor], updates: list[Tensor], config: MuonConfig) -> list[Tensor]:
         jobs = self.jobs(params, updates, config)
         self.run(self.plan_of(jobs, updates, config), updates, updates, config)
         return updates  # scratch (see Strategy): every read of it happens before its region is written
@@ -230,8 +230,8 @@ class PlannedStrategy(Strategy):
     ) -> Tensor:
         job, sources = plan.jobs[j], plan.sources[j]
         local = updates[job.tensor]
-        if len(sources) == 1 and sources[0].rank == self.comm.rank:  # held whole here: a view, no copy
-            return local_part(local, sources[0]).reshape(job.shape)
+        if len(sources) == 1 and sources[0].rank == self.comm.rank and _in_order(sources[0].region, job):
+            return local_part(local, sources[0]).reshape(job.shape)  # held whole here: a view, no copy
         whole = local.new_empty(job.shape)
         for piece in sources:
             data = local_part(local, piece).reshape(-1) if piece.rank == self.comm.rank else received[(j, piece)]
@@ -256,6 +256,11 @@ class PlannedStrategy(Strategy):
         if isinstance(scale, Tensor):  # split blocks of different scales: cache the region's map
             scale = self._scales[key] = scale.view(view.shape)
         return scale
+
+
+def _in_order(region: Region, job: Job) -> bool:
+    """Whether ``region`` is the whole job in the whole's own order (its local storage is the whole)."""
+    return region == Box.full(job.shape) or region == Span(0, job.numel)
 
 
 def _group_key(job: Job, dtype: torch.dtype) -> Hashable:

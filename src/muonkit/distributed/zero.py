@@ -123,7 +123,7 @@ class ZeroStrategy(PlannedStrategy):
         (flat,) = params
         return layout_jobs(self.layout_of(flat), config.layout)
 
-    def muon_directions(self, params: list[Tensor], updates: list[Tensor], config: MuonConfig) -> list[Tensor]:
+    def directions(self, params: list[Tensor], updates: list[Tensor], config: MuonConfig) -> list[Tensor]:
         out = []
         for flat, update in zip(params, updates, strict=True):  # one exchange per partition
             directions = torch.zeros_like(update)  # padding and gaps between params: zero
