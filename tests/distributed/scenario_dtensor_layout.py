@@ -287,7 +287,7 @@ def _groups(model: nn.Module) -> list[dict[str, Any]]:
     raise AssertionError("no qkv.weight")
 
 
-def _beside_single(shard: Any, *, label: str, steps: int = 3) -> None:
+def _beside_single(shard: Any, *, label: str, steps: int = 3, group_size: int | None = None) -> None:
     """``steps`` of HybridMuon on the layout ``shard(model)`` makes and on one device, same gradients."""
     torch.manual_seed(0)
     model = Block()
@@ -324,7 +324,8 @@ def _beside_single(shard: Any, *, label: str, steps: int = 3) -> None:
     dist.all_reduce(done, group=spanned.group)
     # each expert and each split block is one matrix; ranks together do the single device's work, once
     assert done.item() == ref.strategy.stats.matrices == steps * (3 + 4 + 3), (done.item(), ref.strategy.stats.matrices)
-    assert opt.strategy.comm.world_size == dist.get_world_size(), "one group over every rank of the mesh"
+    expected = group_size or dist.get_world_size()
+    assert opt.strategy.comm.world_size == expected, "one group over every rank of the mesh"
 
 
 @check(4)
@@ -343,6 +344,25 @@ def fsdp2_with_tensor_parallel_equals_one_device(ctx: Context) -> None:
         fully_shard(model, mesh=mesh["dp"])  # tiny and the experts: on dp only, replicated over tp
 
     _beside_single(shard, label="FSDP2+TP 2x2")
+
+
+@check(8)
+def hsdp_with_tensor_parallel_and_pipeline_stages_equal_one_device(ctx: Context) -> None:
+    del ctx
+    mesh = _mesh((2, 2, 2), ("replicate", "shard", "tp"))
+
+    def hsdp_tp(model: nn.Module) -> None:
+        parallelize_module(model, mesh["tp"], TP_PLAN)
+        fully_shard(model, mesh=mesh["replicate", "shard"])
+
+    _beside_single(hsdp_tp, label="HSDP+TP 2x2x2")
+    stage = _mesh((2, 2, 2), ("pp", "dp", "tp"))["dp", "tp"]  # this rank's stage: one optimizer over 4 ranks
+
+    def fsdp_tp_stage(model: nn.Module) -> None:
+        parallelize_module(model, stage["tp"], TP_PLAN)
+        fully_shard(model, mesh=stage["dp"])
+
+    _beside_single(fsdp_tp_stage, label="PP stage FSDP2+TP 2x2", group_size=4)
 
 
 def _raises_before_step(param: Tensor, message: str) -> None:

@@ -1,4 +1,4 @@
-"""Where every part of a DTensor lives, on any device mesh: the DTensor reader's pure half.
+"""Where every part of a DTensor lives, on any device mesh: what the DTensor reader reads.
 
 A DTensor of global shape ``S`` on a mesh of shape ``M`` with one placement per mesh dim stores
 on the rank at mesh coordinate ``c`` a sub-array of the whole tensor. Tensor dims are
@@ -17,7 +17,9 @@ blocks: the owner assembles the whole, so any cut of the rows is exact), one per
 an ``experts`` stack (each expert's pieces: the rank boxes that contain it, cut to that expert).
 Replicated copies are all listed; the planner sends one.
 
-:func:`mesh_group` finds the one process group that spans every rank of the params' meshes.
+:func:`mesh_group` finds the one process group that spans every rank of the params' meshes (the
+only function here that touches torch.distributed: it may create that group, nothing else
+communicates); the rest are pure functions of shapes, placements and mesh shapes.
 
 Example: rows of an (8, 4) matrix under FSDP2 + TP (``parallelize_module`` ``ColwiseParallel`` on
 "tp", then ``fully_shard`` on "dp", a 2x2 mesh ``[[0, 1], [2, 3]]``)::
