@@ -70,7 +70,9 @@ def _loads(jobs: list[Job], costs: list[float], owners: list[int], world_size: i
 def _layouts(world_size: int) -> dict[str, list[Job]]:
     config = _config()
     replicated = [
-        j for i, s in enumerate([*_gpt_shapes(3, 48), (8, 40, 24)]) for j in whole_jobs(i, s, config, range(world_size))
+        j
+        for i, s in enumerate([*_gpt_shapes(3, 48), (8, 40, 24)])
+        for j in whole_jobs(i, s, config.layout, range(world_size))
     ]
     return {
         "ddp": replicated,
@@ -156,11 +158,25 @@ def test_replicated_copies_are_sent_once() -> None:
 
 
 def test_ddp_needs_no_gather_but_a_return() -> None:
-    jobs = whole_jobs(0, (6, 4), _config(), range(3)) + whole_jobs(1, (2, 6, 4), _config(), range(3))
+    jobs = whole_jobs(0, (6, 4), MATRIX, range(3)) + whole_jobs(1, (2, 6, 4), MatrixLayout("experts"), range(3))
     plan = make_plan(jobs, costs=[job_cost(j, _config()) for j in jobs], world_size=3, keys=[0, 0, 0])
     assert plan.groups == ((0, 1, 2),)
     assert not plan.gathers(plan.groups[0]) and plan.returns(plan.groups[0])
     assert sorted(plan.owners) == [0, 1, 2]
+
+
+@pytest.mark.parametrize(("kind", "shape"), [("matrix", (9, 4)), ("experts", (2, 9, 4)), ("flatten", (9, 2, 2))])
+def test_replicated_split_blocks_are_jobs_of_their_own(kind: str, shape: tuple[int, ...]) -> None:
+    """DDP balances matrices: a fused QKV tensor's blocks go to three ranks, each read in place."""
+    layout = MatrixLayout(kind, (2, 3, 4))  # type: ignore[arg-type]
+    jobs = whole_jobs(0, shape, layout, range(3))
+    update = torch.randn(shape)
+    assert len(jobs) == len(layout.blocks(shape)) * layout.base_shape(shape)[0]
+    by_matrix = sorted((m for batch in layout.to_matrices(update) for m in batch.unbind(0)), key=lambda m: m.data_ptr())
+    for job, block in zip(jobs, by_matrix, strict=True):
+        assert torch.equal(local_part(update, job.held[0]).view(job.shape), block)
+    owners = choose_owners(jobs[:3], [job_cost(j, _config()) for j in jobs[:3]], 3)
+    assert sorted(owners) == [0, 1, 2]
 
 
 def test_groups_run_largest_first_and_single_rank_jobs_need_no_exchange() -> None:

@@ -7,8 +7,9 @@ every rank, a checkpoint needs no gather, and it loads at any world size. (Keepi
 on owners, as Keller Jordan's reference does, saves memory but makes checkpoints differ per rank;
 FSDP2 and ZeRO are the layouts that shard state.)
 
-Orthogonalization is the expensive part, and each matrix needs it only once. Each whole tensor (each expert of a 3D stack) is a :class:`~muonkit.distributed.pieces.Job`
-held whole by every rank. The planner (:mod:`muonkit.distributed.planner`) gives each one owner,
+Orthogonalization is the expensive part, and each matrix needs it only once. Each matrix (each
+expert of a 3D stack, each ``split_sizes`` block; a transposed tensor as a whole) is a
+:class:`~muonkit.distributed.pieces.Job` held whole by every rank (:func:`whole_jobs`). The planner (:mod:`muonkit.distributed.planner`) gives each one owner,
 balancing Newton-Schulz cost (largest first, least-loaded rank); every rank computes the same
 owners from the shapes alone. Nothing needs to travel to owners, so per set of matrix shapes the
 executor (:mod:`muonkit.distributed.executor`) orthogonalizes this rank's jobs in one batched call
@@ -32,16 +33,19 @@ Example (under ``torchrun``)::
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from torch import Tensor
 
 from muonkit.config import MuonConfig
 from muonkit.distributed.executor import PlannedStrategy
-from muonkit.distributed.pieces import Box, Expert, Job, Piece
+from muonkit.distributed.pieces import At, Box, Expert, Job, Piece, Span
 from muonkit.functional.matrices import MatrixLayout
 
-__all__ = ["ReplicatedStrategy"]
+__all__ = ["ReplicatedStrategy", "whole_jobs"]
+
+_MATRIX = MatrixLayout("matrix")
 
 
 class ReplicatedStrategy(PlannedStrategy):
@@ -55,16 +59,36 @@ class ReplicatedStrategy(PlannedStrategy):
     def jobs(self, params: list[Tensor], updates: list[Tensor], config: MuonConfig) -> list[Job]:
         del params  # whole and local: the updates say everything
         world = range(self.comm.world_size)
-        return [job for i, u in enumerate(updates) if u.numel() for job in whole_jobs(i, tuple(u.shape), config, world)]
+        return [
+            job
+            for i, u in enumerate(updates)
+            if u.numel()
+            for job in whole_jobs(i, tuple(u.shape), config.layout, world)
+        ]
 
 
-def whole_jobs(tensor: int, shape: tuple[int, ...], config: MuonConfig, ranks: range) -> list[Job]:
-    """The jobs of a tensor every rank in ``ranks`` holds whole: one per expert of a stack, else one."""
-    if config.layout.resolved(len(shape)) != "experts":
-        return [Job(tensor, shape, config.layout, tuple(Piece(r, Box.full(shape)) for r in ranks))]
-    matrix = shape[-2:]
-    layout = MatrixLayout("matrix", config.layout.split_sizes)
-    count = config.layout.base_shape(shape)[0]
-    return [
-        Job(tensor, matrix, layout, tuple(Piece(r, Box.full(matrix), Expert(k)) for r in ranks)) for k in range(count)
-    ]
+def whole_jobs(tensor: int, shape: tuple[int, ...], layout: MatrixLayout, ranks: Sequence[int]) -> list[Job]:
+    """The jobs of a tensor every rank in ``ranks`` holds whole (index ``tensor`` of the call).
+
+    One job per matrix (each expert of a stack, each ``split_sizes`` block) wherever the matrix
+    lies contiguously in the tensor, so that the planner balances matrices, not tensors; one job
+    for the whole tensor otherwise (a transposed layout's blocks are columns of its storage).
+    """
+    kind = layout.resolved(len(shape))
+    if kind == "transposed" or (kind != "experts" and layout.split_sizes is None):
+        return [Job(tensor, shape, layout, tuple(Piece(r, Box.full(shape)) for r in ranks))]
+    count, rows, cols = layout.base_shape(shape)
+    if layout.split_sizes is None:  # experts: where=Expert(k) views matrix k of the stack
+        matrix = (rows, cols)
+        return [
+            Job(tensor, matrix, _MATRIX, tuple(Piece(r, Box.full(matrix), Expert(k)) for r in ranks))
+            for k in range(count)
+        ]
+    jobs = []
+    for k in range(count):  # split blocks: rows [start, start + size) of matrix k, a flat range
+        start = k * rows
+        for size in layout.split_sizes:
+            held = tuple(Piece(r, Span(0, size * cols), At(start * cols)) for r in ranks)
+            jobs.append(Job(tensor, (size, cols), _MATRIX, held))
+            start += size
+    return jobs
