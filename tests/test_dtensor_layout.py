@@ -20,7 +20,7 @@ from torch.distributed.tensor._utils import _compute_local_shape_and_global_offs
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from muonkit.distributed.dtensor_layout import check_placements, dim_runs, mesh_boxes, rank_boxes, tensor_jobs
-from muonkit.distributed.pieces import Box, Expert, local_part
+from muonkit.distributed.pieces import At, Box, Expert, local_part
 from muonkit.functional.matrices import MatrixLayout
 
 MESHES = [(4,), (2, 2), (3, 2), (2, 2, 2)]
@@ -106,12 +106,10 @@ def _reassemble(job_shape: tuple[int, ...], pieces: list, locals_: dict[int, tor
 
 
 def test_tensor_jobs_reassemble_every_layout_from_any_holder() -> None:
-    mesh_shape = (2, 2)
-    ranks = torch.arange(4).view(mesh_shape)
+    ranks = torch.arange(4).view(2, 2)
     cases = [
         ((10, 6), MatrixLayout(), (_StridedShard(0, split_factor=2), Shard(0))),
-        ((6, 10), MatrixLayout("transposed", (4, 6)), (Shard(1), Replicate())),
-        ((12, 6), MatrixLayout(split_sizes=(4, 8)), (Shard(0), Shard(1))),
+        ((6, 10), MatrixLayout("transposed", (4, 6)), (Shard(1), Replicate())),  # blocks are columns: one job
         ((4, 2, 3, 3), MatrixLayout(), (Replicate(), Shard(2))),  # conv, flattened
     ]
     for shape, layout, placements in cases:
@@ -125,21 +123,48 @@ def test_tensor_jobs_reassemble_every_layout_from_any_holder() -> None:
 
 
 @pytest.mark.parametrize(
+    ("shape", "placements"),
+    [
+        ((12, 6), (Shard(0), Shard(1))),
+        ((12, 6), (_StridedShard(0, split_factor=2), Shard(0))),  # FSDP2 + TP rows: K is cut in two runs
+        ((12, 6), (Replicate(), Shard(0))),
+        ((12, 2, 3), (Shard(0), Shard(2))),  # flattened to (12, 6)
+    ],
+    ids=str,
+)
+def test_split_blocks_are_jobs_of_their_own_wherever_the_rows_are_cut(shape: tuple, placements: tuple) -> None:
+    whole = torch.arange(math.prod(shape)).view(shape)
+    held = rank_boxes(shape, placements, torch.arange(4).view(2, 2))
+    locals_ = {r: box.read(whole).view(box.shape) for r, box in held}
+    kind = "matrix" if len(shape) == 2 else "flatten"
+    jobs = tensor_jobs(0, shape, MatrixLayout(kind, (3, 4, 5)), held)
+    assert [j.shape[0] for j in jobs] == [3, 4, 5] and all(j.layout == MatrixLayout(kind) for j in jobs)
+    for job, (a, b) in zip(jobs, [(0, 3), (3, 7), (7, 12)], strict=True):
+        assert all(isinstance(p.where, At) for p in job.held)
+        assert torch.equal(_reassemble(job.shape, list(job.held), locals_), whole[a:b])
+
+
+@pytest.mark.parametrize(
     "placements",
     [(Shard(0), Replicate()), (Shard(0), Shard(1)), (_StridedShard(1, split_factor=2), Shard(1)), (Shard(2), Shard(0))],
     ids=str,
 )
-def test_expert_stacks_give_one_job_per_expert_with_the_holders_of_that_expert(placements: tuple) -> None:
+def test_expert_stacks_give_one_job_per_expert_and_block_with_the_holders_of_that_expert(placements: tuple) -> None:
     shape = (3, 5, 4)  # 3 experts on 2 ep ranks: one rank holds 2, the other 1
     whole = torch.arange(60).view(shape)
     held = rank_boxes(shape, placements, torch.arange(4).view(2, 2))
     locals_ = {r: box.read(whole).view(box.shape) for r, box in held}
-    jobs = tensor_jobs(0, shape, MatrixLayout(split_sizes=(2, 3)), held)
+    jobs = tensor_jobs(0, shape, MatrixLayout(), held)
     assert len(jobs) == 3
     for e, job in enumerate(jobs):
-        assert job.shape == (5, 4) and job.layout == MatrixLayout("matrix", (2, 3))
+        assert job.shape == (5, 4) and job.layout == MatrixLayout("matrix")
         assert all(isinstance(p.where, Expert) for p in job.held)
         assert torch.equal(_reassemble((5, 4), list(job.held), locals_), whole[e])
+    jobs = tensor_jobs(0, shape, MatrixLayout(split_sizes=(2, 3)), held)
+    assert [j.shape for j in jobs] == [(2, 4), (3, 4)] * 3
+    for k, job in enumerate(jobs):
+        e, (a, b) = k // 2, [(0, 2), (2, 5)][k % 2]
+        assert torch.equal(_reassemble(job.shape, list(job.held), locals_), whole[e, a:b])
 
 
 def test_nested_expert_dims_index_the_local_stack() -> None:

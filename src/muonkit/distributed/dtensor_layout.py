@@ -46,7 +46,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
-from muonkit.distributed.pieces import Box, Expert, Job, Piece, Runs
+from muonkit.distributed.pieces import At, Box, Expert, Job, Piece, Runs
 from muonkit.functional.matrices import MatrixLayout
 
 __all__ = [
@@ -200,17 +200,39 @@ def tensor_jobs(
 ) -> list[Job]:
     """The planner's jobs for one Muon param whose ranks hold ``holders`` (``(rank, box)``).
 
-    One job for the whole tensor, or, for the ``experts`` layout, one per expert matrix (its
-    pieces: where each holder stores it, ``Expert(k)``: the k-th matrix of its local stack).
-    Empty pieces are left out; a param with no elements has no job.
+    One job per matrix, so that the planner balances matrices, not tensors: each expert of an
+    ``experts`` stack (its pieces: where each holder stores it, ``Expert(k)``: the k-th matrix of
+    its local stack), each ``split_sizes`` block (rows ``[a, b)``: a holder's rows of it lie
+    contiguously in its local tensor, at ``At(offset)``), else the whole tensor; a transposed
+    tensor with ``split_sizes`` is one job (its blocks are columns of the storage). Empty pieces
+    are left out; a param with no elements has no job.
     """
     shape = tuple(int(n) for n in shape)
     if not math.prod(shape):
         return []
-    if layout.resolved(len(shape)) != "experts":
-        held = tuple(Piece(rank, box) for rank, box in holders if box.numel)
-        return [Job(tensor, shape, layout, held)]
-    matrix = MatrixLayout("matrix", layout.split_sizes)
+    kind = layout.resolved(len(shape))
+    if kind == "transposed" or (kind != "experts" and layout.split_sizes is None):
+        return [Job(tensor, shape, layout, tuple(Piece(rank, box) for rank, box in holders if box.numel))]
+    if kind == "experts":
+        units = _experts(shape, holders)
+        base = MatrixLayout("matrix")
+    else:
+        units = [(shape, [Piece(rank, box) for rank, box in holders if box.numel])]
+        base = MatrixLayout(kind)
+    if layout.split_sizes is None:
+        return [Job(tensor, whole, base, tuple(pieces)) for whole, pieces in units]
+    jobs = []
+    for whole, pieces in units:
+        start = 0
+        for size in layout.split_sizes:
+            block = (_rows(piece, start, start + size) for piece in pieces)
+            jobs.append(Job(tensor, (size, *whole[1:]), base, tuple(p for p in block if p is not None)))
+            start += size
+    return jobs
+
+
+def _experts(shape: tuple[int, ...], holders: Sequence[tuple[int, Box]]) -> list[tuple[tuple[int, ...], list[Piece]]]:
+    """Each expert matrix of a stack and its pieces (``Expert(k)``: matrix k of the holder's local stack)."""
     lead = shape[:-2]
     experts: list[list[Piece]] = [[] for _ in range(math.prod(lead))]
     for rank, box in holders:
@@ -220,7 +242,31 @@ def tensor_jobs(
         held_lead = [[i for a, b in runs for i in range(a, b)] for runs in box.runs[:-2]]
         for k, index in enumerate(itertools.product(*held_lead)):  # local stack order
             experts[_flat(index, lead)].append(Piece(rank, region, Expert(k)))
-    return [Job(tensor, shape[-2:], matrix, tuple(held)) for held in experts]
+    return [(shape[-2:], pieces) for pieces in experts]
+
+
+def _rows(piece: Piece, start: int, stop: int) -> Piece | None:
+    """The part of ``piece`` in rows ``[start, stop)`` of its job, as a piece of the block (None: empty).
+
+    Its rows lie contiguously in the local tensor (runs are increasing, as every torch split
+    leaves them), so the part is a flat range of it: ``At(offset)``.
+    """
+    region = piece.region
+    assert isinstance(region, Box) and not isinstance(piece.where, At), piece
+    runs, inner = region.runs[0], math.prod(region.shape[1:])
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(runs)), f"rows not increasing: {runs}"
+    kept: list[tuple[int, int]] = []
+    first = local = 0
+    for a, b in runs:
+        lo, hi = max(a, start), min(b, stop)
+        if lo < hi:
+            first = first if kept else local + lo - a
+            kept.append((lo - start, hi - start))
+        local += b - a
+    if not kept or not inner:
+        return None
+    matrix = 0 if piece.where is None else piece.where.index * region.numel  # Expert(k): k-th local matrix
+    return Piece(piece.rank, Box((tuple(kept), *region.runs[1:])), At(matrix + first * inner))
 
 
 def _flat(index: Sequence[int], shape: Sequence[int]) -> int:
