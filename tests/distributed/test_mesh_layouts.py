@@ -1,4 +1,4 @@
-"""The DTensor layout reader on real N-D meshes: one launch of 4 and one of 8 gloo ranks."""
+"""The DTensor layout reader on real N-D meshes: one launch of 4 and one of 8 gloo ranks (marked slow)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,12 @@ from launcher import failure_report, launch
 pytestmark = pytest.mark.distributed
 
 MODULES = ["scenario_dtensor_layout"]
-CASES = [(w, name) for w in (4, 8) for m in MODULES for name in checks_of(m, w)]
+CASES = [
+    pytest.param(w, name, id=f"W{w}-{name}", marks=[pytest.mark.slow] if w == 8 else [])
+    for w in (4, 8)
+    for m in MODULES
+    for name in checks_of(m, w)
+]
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +31,7 @@ def _results(launches: dict, world_size: int) -> dict:
     return launches["results"][world_size]
 
 
-@pytest.mark.parametrize(("world_size", "name"), CASES, ids=[f"W{w}-{n}" for w, n in CASES])
+@pytest.mark.parametrize(("world_size", "name"), CASES)
 def test_check(launches: dict, world_size: int, name: str) -> None:
     report = failure_report(_results(launches, world_size), name, world_size)
     if report is not None:
