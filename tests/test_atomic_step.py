@@ -166,7 +166,7 @@ def _poison_last_chunk(monkeypatch: pytest.MonkeyPatch, opt: muonkit.HybridMuon,
     """The orthogonalization of the last chunk of the step returns ``value`` in one entry."""
     strategy = opt.strategy
     calls: list[int] = []
-    original = strategy.muon_directions
+    original = strategy.directions
 
     def directions(params: list[Tensor], updates: list[Tensor], config: Any) -> list[Tensor]:
         out = original(params, updates, config)
@@ -175,7 +175,7 @@ def _poison_last_chunk(monkeypatch: pytest.MonkeyPatch, opt: muonkit.HybridMuon,
             out[-1].view(-1)[5] = value
         return out
 
-    monkeypatch.setattr(strategy, "muon_directions", directions)
+    monkeypatch.setattr(strategy, "directions", directions)
     return calls
 
 
@@ -307,13 +307,13 @@ def test_only_unchecked_applies_each_chunk_before_computing_the_next(
     _grads(net, 0)
     first = net.a1.detach().clone()
     seen: list[bool] = []
-    original = opt.strategy.muon_directions
+    original = opt.strategy.directions
 
     def directions(params: list[Tensor], updates: list[Tensor], config: Any) -> list[Tensor]:
         seen.append(not torch.equal(net.a1, first))
         return original(params, updates, config)
 
-    monkeypatch.setattr(opt.strategy, "muon_directions", directions)
+    monkeypatch.setattr(opt.strategy, "directions", directions)
     opt.step()
     assert seen == [False, streams, streams]
     assert not torch.equal(net.a1, first)

@@ -522,7 +522,7 @@ def test_copy_of_a_distributed_optimizer_is_refused_clearly() -> None:
     class Elsewhere(Strategy):  # a distributed strategy would hold a process group
         name = "elsewhere"
 
-        def muon_directions(self, params: list[Tensor], updates: list[Tensor], config: Any) -> list[Tensor]:
+        def directions(self, params: list[Tensor], updates: list[Tensor], config: Any) -> list[Tensor]:
             raise NotImplementedError
 
     opt = muonkit.Muon([Parameter(torch.randn(3, 3))], strategy=Elsewhere())

@@ -392,7 +392,7 @@ class HybridMuon(Optimizer):
             updates = muon_update(
                 [local(b) for b in buffers], grads, momentum=config.momentum, nesterov=config.nesterov
             )
-            directions = self.strategy.muon_directions(group, updates, config)
+            directions = self.strategy.directions(group, updates, config)
             del updates
             yield _MuonChunk(group, buffers, directions)
 

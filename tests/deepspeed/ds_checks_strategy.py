@@ -47,7 +47,7 @@ def _run(layout: FlatLayout, config: MuonConfig, ctx: Context) -> tuple[list[Ten
     strategy = ZeroStrategy()
     partition = torch.zeros_like(mine)  # stands for DeepSpeed's fp32 partition (the optimizer's param)
     strategy.bind(partition, layout)
-    local = strategy.muon_directions([partition], [mine], config)[0]
+    local = strategy.directions([partition], [mine], config)[0]
     gathered = [torch.empty_like(local) for _ in range(ctx.world_size)]
     dist.all_gather(gathered, local)
     directions = []
@@ -108,7 +108,7 @@ def contiguous_alignment_gaps(ctx: Context) -> None:
     wholes, _, strategy = _run(layout, _config(), ctx)
     del wholes
     flat = strategy.partitions[0]
-    local = strategy.muon_directions([flat], [torch.ones(layout.numel, dtype=torch.float64)], _config())[0]
+    local = strategy.directions([flat], [torch.ones(layout.numel, dtype=torch.float64)], _config())[0]
     covered = torch.zeros(layout.numel, dtype=torch.bool)
     for param in layout.params:
         for piece in param.pieces:
@@ -168,7 +168,7 @@ def all_finite_agrees_and_unknown_tensor_raises(ctx: Context) -> None:
     assert strategy.all_finite(torch.tensor(True))
     assert not strategy.all_finite(torch.tensor(ctx.rank != 2))
     try:
-        strategy.muon_directions([torch.zeros(4)], [torch.zeros(4)], _config())
+        strategy.directions([torch.zeros(4)], [torch.zeros(4)], _config())
     except RuntimeError as e:
         assert "not a ZeRO flat partition" in str(e)
     else:

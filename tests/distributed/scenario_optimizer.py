@@ -97,17 +97,17 @@ def fsdp2_matches_single_device(ctx: Context) -> None:
 
 def _poison_directions(opt: muonkit.HybridMuon) -> None:
     """The next step's first non-empty local direction gets an inf (this rank only)."""
-    original = opt.strategy.muon_directions
+    original = opt.strategy.directions
 
     def directions(params: list[torch.Tensor], updates: list[torch.Tensor], config: Any) -> list[torch.Tensor]:
         out = original(params, updates, config)
         hit = next((d for d in out if d.numel() > 0), None)
         if hit is not None:
             hit.view(-1)[0] = float("inf")
-            opt.strategy.muon_directions = original  # type: ignore[method-assign]
+            opt.strategy.directions = original  # type: ignore[method-assign]
         return out
 
-    opt.strategy.muon_directions = directions  # type: ignore[method-assign]
+    opt.strategy.directions = directions  # type: ignore[method-assign]
 
 
 @check(2, 4)

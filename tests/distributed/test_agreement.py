@@ -13,8 +13,6 @@ import muonkit
 from muonkit.config import group_config
 from muonkit.distributed.agreement import Setting, check_agreement, encode, settings_of
 from muonkit.distributed.collectives import flag_device
-from muonkit.distributed.zero import plan_exchange
-from muonkit.distributed.zero_layout import contiguous_layout, per_param_layout
 
 
 @pytest.mark.parametrize(
@@ -73,16 +71,3 @@ def test_differing_gradients_name_the_positions() -> None:
     reduced = _reduce([encode(settings, [True, True]), encode(settings, [True, False])])
     with pytest.raises(RuntimeError, match=r"which params have gradients at positions \[1\]"):
         check_agreement(reduced, settings, [True, True])
-
-
-def test_zero_size_params_have_no_owner_and_no_route() -> None:
-    shapes = [(0, 8), (3, 4), (8, 0), (5, 2)]
-    for layout in (
-        contiguous_layout(names=list("abcd"), shapes=shapes, offsets=[0, 0, 12, 12], partition_size=11, world_size=2),
-        per_param_layout(names=list("abcd"), shapes=shapes, world_size=2),
-    ):
-        for rank in range(2):
-            plan = plan_exchange(layout, [0.0, 48.0, 0.0, 20.0], rank)
-            assert plan.owners[0] == plan.owners[2] == -1, plan.owners
-            assert 0 not in plan.computed and 2 not in plan.computed
-            assert all(i not in (0, 2) for route in plan.gather + plan.scatter for i, _ in route)

@@ -15,7 +15,14 @@ from launcher import failure_report, launch
 
 pytestmark = pytest.mark.distributed
 
-MODULES = ["scenario_optimizer", "scenario_training", "scenario_checkpoint", "scenario_hf", "scenario_agreement"]
+MODULES = [
+    "scenario_optimizer",
+    "scenario_training",
+    "scenario_checkpoint",
+    "scenario_hf",
+    "scenario_agreement",
+    "scenario_planner",
+]
 WORLD_SIZES = [2, 4, 1]  # 2 first: it writes the checkpoints the others load
 CASES = [(w, name) for w in WORLD_SIZES for m in MODULES for name in checks_of(m, w)]
 

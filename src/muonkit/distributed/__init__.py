@@ -38,7 +38,7 @@ def select_strategy(params: Iterable[Tensor], *, process_group: Any | None = Non
     ============================================  =========================================
     params / arguments                            strategy
     ============================================  =========================================
-    DTensors (FSDP2 ``fully_shard``)              :class:`DTensorStrategy` on their mesh
+    DTensors (FSDP2, HSDP, TP, EP, any mesh)      :class:`DTensorStrategy` on their mesh(es)
     plain tensors, ``process_group=`` given       :class:`ReplicatedStrategy` (DDP)
     (a ProcessGroup or a 1-D DeviceMesh)
     plain tensors, torch.distributed not          :class:`SingleDeviceStrategy`
@@ -85,15 +85,9 @@ def _dtensor_strategy(params: list[Tensor], dtensors: list[Any], process_group: 
             "apply fully_shard so that every parameter is sharded (shard the root module too: fully_shard(model)), "
             "or give the plain tensors to a separate optimizer"
         )
-    meshes = {p.device_mesh for p in dtensors}
-    if len(meshes) > 1:
-        raise ValueError(f"HybridMuon got DTensor params on {len(meshes)} different device meshes; use one mesh")
-    mesh = meshes.pop()
-    if process_group is not None and mesh.ndim == 1 and group_of(process_group) is not mesh.get_group():
-        raise ValueError(
-            "process_group= differs from the device mesh of the DTensor params; leave process_group=None with FSDP2"
-        )
-    return DTensorStrategy(mesh)
+    meshes = list(dict.fromkeys(p.device_mesh for p in dtensors))
+    group = None if process_group is None else group_of(process_group)
+    return DTensorStrategy(meshes, process_group=group)
 
 
 def __getattr__(name: str) -> Any:

@@ -86,7 +86,7 @@ class Strategy(ABC):
     def check_params(self, params: list[Tensor]) -> None:
         """Raise on Muon params this strategy cannot step, before ``step()`` changes anything.
 
-        Everything :meth:`muon_chunks` and :meth:`muon_directions` would reject must be rejected
+        Everything :meth:`muon_chunks` and :meth:`directions` would reject must be rejected
         here (the optimizer checks each matrix layout against :meth:`whole_shapes` itself).
         """
         del params
@@ -102,7 +102,7 @@ class Strategy(ABC):
         return [list(range(len(params)))]
 
     @abstractmethod
-    def muon_directions(self, params: list[Tensor], updates: list[Tensor], config: MuonConfig) -> list[Tensor]:
+    def directions(self, params: list[Tensor], updates: list[Tensor], config: MuonConfig) -> list[Tensor]:
         """Local slices of ``scale * orthogonalize(U)`` for each param.
 
         ``updates[i]`` is the local slice of the momentum update of ``params[i]``; the result

@@ -98,26 +98,6 @@ class Collectives:
         work = dist.all_to_all_single(output, input, output_splits, input_splits, group=self.group, async_op=True)
         return Pending(work, output, input)
 
-    def all_gather_uneven(self, input: Tensor, sizes: list[int]) -> tuple[Pending, list[Tensor]]:
-        """Async all-gather of flat tensors whose sizes may differ by rank (``sizes[j]`` from rank j).
-
-        Returns the pending work and one view per rank into the received buffer (valid after
-        ``wait()``). Inputs are padded to the largest size (gloo's all_gather needs equal sizes,
-        and one ``all_gather_into_tensor`` is the fastest collective on NCCL); the padding is
-        counted in the bytes sent, so callers should keep sizes even.
-        """
-        assert input.numel() == sizes[self.rank], "this rank's size must match its input"
-        most = max(sizes)
-        self._count((self.world_size - 1) * most * input.element_size())
-        if input.numel() != most:
-            padded = input.new_zeros(most)
-            padded[: input.numel()] = input
-            input = padded
-        buffer = input.new_empty(most * self.world_size)
-        pieces = [chunk[:n] for chunk, n in zip(buffer.chunk(self.world_size), sizes, strict=True)]
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
-        return Pending(gather(buffer, input, group=self.group, async_op=True), buffer, input), pieces
-
     def all_reduce(self, t: Tensor, *, op: Any) -> None:
         """Blocking in-place ``all_reduce``."""
         self._count(2 * (self.world_size - 1) / self.world_size * t.numel() * t.element_size())

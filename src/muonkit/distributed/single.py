@@ -44,6 +44,6 @@ class SingleDeviceStrategy(Strategy):
                 size += params[i].numel()
         return chunks
 
-    def muon_directions(self, params: list[Tensor], updates: list[Tensor], config: MuonConfig) -> list[Tensor]:
+    def directions(self, params: list[Tensor], updates: list[Tensor], config: MuonConfig) -> list[Tensor]:
         hook = functools.partial(self.count_batch, config=config)
         return muon_directions(updates, [config.layout] * len(updates), config.ns_options, on_batch=hook)

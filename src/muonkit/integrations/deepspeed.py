@@ -188,7 +188,7 @@ class _Unbound(Strategy):
         del params
         raise RuntimeError(_NOT_SET_UP)
 
-    def muon_directions(self, params: list[Tensor], updates: list[Tensor], config: MuonConfig) -> list[Tensor]:
+    def directions(self, params: list[Tensor], updates: list[Tensor], config: MuonConfig) -> list[Tensor]:
         del params, updates, config
         raise RuntimeError(_NOT_SET_UP)
 

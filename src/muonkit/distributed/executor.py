@@ -1,0 +1,268 @@
+"""The one executor: move pieces to owners, orthogonalize once, send each rank its regions back.
+
+:class:`PlannedStrategy` is the base of every communicating strategy (DDP, FSDP2, ZeRO, DTensor
+meshes). A subclass only says where things live, as :class:`~muonkit.distributed.pieces.Job` s
+(:meth:`PlannedStrategy.jobs`); the collectives, the non-finite flag, the settings check, the
+wire dtype, the lr shape scale and the statistics live here, once.
+
+For each exchange group of a :class:`~muonkit.distributed.planner.Plan` (default: the jobs of
+one set of matrix shapes and one update dtype):
+
+1. one ``all_to_all_single`` brings every piece an owner lacks to it (skipped when owners hold
+   everything, as under DDP). All groups' gathers start at once;
+2. the owner assembles each whole (a view, no copy, when it holds the whole) and orthogonalizes
+   its jobs, same-shape matrices batched (``muon_directions``, counted in ``stats``): first those
+   it already holds, while the gathers travel;
+3. one ``all_to_all_single`` sends each receiver its region of the result, in the wire dtype
+   (the Newton-Schulz compute dtype when it is narrower than the update: lossless, since the
+   result was computed in it), while the next group is orthogonalized.
+
+The lr shape scale is applied as on one device, where ``orthogonalize`` casts its result up to
+the update dtype and multiplies by the scale there: when the wire is narrower, every receiver
+casts its region up and multiplies (a per-element scale read from a whole-shaped map when
+``split_sizes`` blocks differ, cached); otherwise the owner scales in ``muon_directions`` itself
+and sends the scaled values. Either way each direction equals :class:`SingleDeviceStrategy`'s
+bit for bit wherever batched products do not depend on the batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from abc import abstractmethod
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from muonkit.config import MuonConfig
+from muonkit.distributed.agreement import Setting
+from muonkit.distributed.base import Strategy
+from muonkit.distributed.collectives import Collectives, Pending, group_of
+from muonkit.distributed.pieces import Box, Job, Piece, Region, Span, local_part
+from muonkit.distributed.planner import Plan, job_cost, make_plan, scale_of, wire_dtype
+from muonkit.functional.muon import NSOptions, muon_directions
+
+__all__ = ["PlannedStrategy"]
+
+_PLAN_CACHE = 64  # plans kept per strategy (one per distinct call: chunk, partition, config)
+
+
+class PlannedStrategy(Strategy):
+    """A strategy whose layout reader describes jobs; planning and communication are shared."""
+
+    name = "planned"
+
+    def __init__(self, process_group: Any) -> None:
+        super().__init__()
+        self.comm = Collectives(group_of(process_group), self.stats)
+        self._plans: dict[Hashable, Plan] = {}
+        self._scales: dict[Hashable, Tensor] = {}
+
+    @abstractmethod
+    def jobs(self, params: list[Tensor], updates: list[Tensor], config: MuonConfig) -> list[Job]:
+        """Where every job of these params lives: pieces in group ranks, ``Job.tensor`` an index into
+        ``params``. Raise (the same on every rank) on layouts the reader does not support."""
+
+    def all_true(self, flags: Tensor) -> list[bool]:
+        return self.comm.all_ranks_true(flags)
+
+    def check_participation(self, has_grad: Sequence[bool], settings: Callable[[], Sequence[Setting]] = list) -> None:
+        self.comm.check_agreement([*settings(), Setting("strategy", self.name)], has_grad)
+
+    def directions(self, params: list[Tensor], updates: list[Tensor], config: MuonConfig) -> list[Tensor]:
+        jobs = self.jobs(params, updates, config)
+        self.run(self.plan_of(jobs, updates, config), updates, updates, config)
+        return updates  # scratch (see Strategy): every read of it happens before its region is written
+
+    def plan_of(
+        self, jobs: Sequence[Job], updates: Sequence[Tensor], config: MuonConfig, *, one_group: bool = False
+    ) -> Plan:
+        """The (cached) plan of ``jobs``: groups by matrix shapes and update dtype, or one group."""
+        keys = None if one_group else [_group_key(job, updates[job.tensor].dtype) for job in jobs]
+        cache_key = (
+            tuple(jobs),
+            None if keys is None else tuple(keys),
+            config.steps,
+            config.ns_method,
+            config.ns_dtype,
+        )
+        plan = self._plans.get(cache_key)
+        if plan is None:
+            if len(self._plans) >= _PLAN_CACHE:
+                self._plans.clear()
+            costs = [job_cost(job, config) for job in jobs]
+            plan = make_plan(jobs, costs=costs, world_size=self.comm.world_size, keys=keys)
+            self._plans[cache_key] = plan
+        return plan
+
+    def run(self, plan: Plan, updates: Sequence[Tensor], out: Sequence[Tensor], config: MuonConfig) -> None:
+        """Write into ``out`` (local tensors like ``updates``) this rank's regions of every job's direction.
+
+        ``out`` may be ``updates`` itself: a job's regions are read (sent, or viewed by its owner)
+        before they are written, and jobs do not share regions.
+        """
+        gathers = [self._gather(plan, group, updates) for group in plan.groups]
+        returns = []
+        for k, group in enumerate(plan.groups):
+            like = updates[plan.jobs[group[0]].tensor]
+            wire = wire_dtype(config, like)
+            on_owner = wire == like.dtype  # nothing to cast up on arrival: the owner scales, as one device does
+            options = config.ns_options if on_owner else dataclasses.replace(config.ns_options, adjust_lr=None)
+            hook = functools.partial(self.count_batch, config=config)
+            mine = [j for j in group if plan.owners[j] == self.comm.rank]
+            ready = [j for j in mine if all(p.rank == self.comm.rank for p in plan.sources[j])]
+            results = dict(zip(ready, self._orthogonalize(plan, ready, updates, {}, options, hook), strict=True))
+            received = self._wait(gathers[k], plan, group)
+            gathers[k] = None  # free the received pieces now, not at the end of the step
+            rest = [j for j in mine if j not in results]
+            results.update(zip(rest, self._orthogonalize(plan, rest, updates, received, options, hook), strict=True))
+            returns.append((on_owner, *self._send_back(plan, group, results, wire, like)))
+            for j, direction in results.items():
+                for piece in plan.jobs[j].receivers:
+                    if piece.rank == self.comm.rank:
+                        self._write(plan.jobs[j], piece, piece.region.read(direction), out, config, scaled=on_owner)
+        for on_owner, pending, pieces in returns:
+            if pending is not None:
+                pending.wait()
+            for (j, piece), data in pieces:
+                self._write(plan.jobs[j], piece, data, out, config, scaled=on_owner)
+
+    # -- the two exchanges ---------------------------------------------------------------------
+
+    def _gather(self, plan: Plan, group: Sequence[int], updates: Sequence[Tensor]) -> tuple[Pending, Tensor] | None:
+        """Start sending my source pieces of others' jobs to their owners (one all_to_all)."""
+        if not plan.gathers(group):
+            return None
+        me, world = self.comm.rank, self.comm.world_size
+        outgoing: list[list[Tensor]] = [[] for _ in range(world)]
+        for j in group:
+            for piece in plan.sources[j]:
+                if piece.rank == me and plan.owners[j] != me:
+                    outgoing[plan.owners[j]].append(local_part(updates[plan.jobs[j].tensor], piece).reshape(-1))
+        like = updates[plan.jobs[group[0]].tensor]
+        incoming = [sum(p.region.numel for _, p in self._sources_from(plan, group, r)) for r in range(world)]
+        return self._all_to_all(outgoing, incoming, like=like, dtype=like.dtype)
+
+    def _wait(
+        self, gather: tuple[Pending, Tensor] | None, plan: Plan, group: Sequence[int]
+    ) -> dict[tuple[int, Piece], Tensor]:
+        """The received source pieces of my jobs, by (job, piece)."""
+        if gather is None:
+            return {}
+        pending, buffer = gather
+        pending.wait()
+        out: dict[tuple[int, Piece], Tensor] = {}
+        offset = 0
+        for r in range(self.comm.world_size):
+            for j, piece in self._sources_from(plan, group, r):
+                out[(j, piece)] = buffer[offset : offset + piece.region.numel]
+                offset += piece.region.numel
+        return out
+
+    def _sources_from(self, plan: Plan, group: Sequence[int], rank: int) -> list[tuple[int, Piece]]:
+        """The source pieces ``rank`` sends me for the jobs I own in ``group``, in sending order."""
+        if rank == self.comm.rank:
+            return []
+        return [(j, p) for j in group if plan.owners[j] == self.comm.rank for p in plan.sources[j] if p.rank == rank]
+
+    def _send_back(
+        self, plan: Plan, group: Sequence[int], results: dict[int, Tensor], wire: torch.dtype, like: Tensor
+    ) -> tuple[Pending | None, list[tuple[tuple[int, Piece], Tensor]]]:
+        """Start sending each receiver its regions of my results (one all_to_all)."""
+        if not plan.returns(group):
+            return None, []
+        me, world = self.comm.rank, self.comm.world_size
+        outgoing: list[list[Tensor]] = [[] for _ in range(world)]
+        for j in group:
+            if plan.owners[j] == me:
+                for piece in plan.jobs[j].receivers:
+                    if piece.rank != me:
+                        outgoing[piece.rank].append(piece.region.read(results[j]).to(wire))
+        expected: list[list[tuple[int, Piece]]] = [[] for _ in range(world)]
+        for j in group:
+            if plan.owners[j] != me:
+                expected[plan.owners[j]] += [(j, p) for p in plan.jobs[j].receivers if p.rank == me]
+        incoming = [sum(p.region.numel for _, p in e) for e in expected]
+        pending, buffer = self._all_to_all(outgoing, incoming, like=like, dtype=wire)
+        pieces, offset = [], 0
+        for e in expected:
+            for j, piece in e:
+                pieces.append(((j, piece), buffer[offset : offset + piece.region.numel]))
+                offset += piece.region.numel
+        return pending, pieces
+
+    def _all_to_all(
+        self, outgoing: list[list[Tensor]], incoming: list[int], *, like: Tensor, dtype: torch.dtype
+    ) -> tuple[Pending, Tensor]:
+        flat = [t for ts in outgoing for t in ts]
+        send = torch.cat(flat) if flat else like.new_empty(0, dtype=dtype)
+        received = like.new_empty(sum(incoming), dtype=dtype)
+        pending = self.comm.all_to_all_single(
+            received,
+            send,
+            output_splits=incoming,
+            input_splits=[sum(t.numel() for t in ts) for ts in outgoing],
+        )
+        return pending, received
+
+    # -- on the owner and on arrival -----------------------------------------------------------
+
+    def _orthogonalize(
+        self,
+        plan: Plan,
+        jobs: list[int],
+        updates: Sequence[Tensor],
+        received: dict[tuple[int, Piece], Tensor],
+        options: NSOptions,
+        hook: Callable[[int, int, int], None],
+    ) -> list[Tensor]:
+        """Directions of my ``jobs`` (whole, in the update dtype), batched by matrix shape."""
+        if not jobs:
+            return []
+        wholes = [self._whole(plan, j, updates, received) for j in jobs]
+        layouts = [plan.jobs[j].layout for j in jobs]
+        return muon_directions(wholes, layouts, options, on_batch=hook)
+
+    def _whole(
+        self, plan: Plan, j: int, updates: Sequence[Tensor], received: dict[tuple[int, Piece], Tensor]
+    ) -> Tensor:
+        job, sources = plan.jobs[j], plan.sources[j]
+        local = updates[job.tensor]
+        if len(sources) == 1 and sources[0].rank == self.comm.rank and _in_order(sources[0].region, job):
+            return local_part(local, sources[0]).reshape(job.shape)  # held whole here: a view, no copy
+        whole = local.new_empty(job.shape)
+        for piece in sources:
+            data = local_part(local, piece).reshape(-1) if piece.rank == self.comm.rank else received[(j, piece)]
+            piece.region.write(whole, data)
+        return whole
+
+    def _write(
+        self, job: Job, piece: Piece, data: Tensor, out: Sequence[Tensor], config: MuonConfig, *, scaled: bool
+    ) -> None:
+        """Put ``data`` (flat, storage order) into my region ``piece`` of ``out``; scale it unless the owner did."""
+        view = local_part(out[job.tensor], piece)
+        view.copy_(data.view(view.shape))
+        if not scaled:
+            view.mul_(self._scale(job, piece, config.adjust_lr, view))
+
+    def _scale(self, job: Job, piece: Piece, adjust_lr: str | None, view: Tensor) -> float | Tensor:
+        key = (job.shape, job.layout, piece.region, adjust_lr, view.dtype, view.device)
+        cached = self._scales.get(key)
+        if cached is not None:
+            return cached
+        scale = scale_of(job, piece.region, adjust_lr, like=view)
+        if isinstance(scale, Tensor):  # split blocks of different scales: cache the region's map
+            scale = self._scales[key] = scale.view(view.shape)
+        return scale
+
+
+def _in_order(region: Region, job: Job) -> bool:
+    """Whether ``region`` is the whole job in the whole's own order (its local storage is the whole)."""
+    return region == Box.full(job.shape) or region == Span(0, job.numel)
+
+
+def _group_key(job: Job, dtype: torch.dtype) -> Hashable:
+    """Jobs exchanged together: the same set of matrix shapes (one batched call each) and dtype."""
+    return tuple(sorted({(b.rows, b.cols) for b in job.layout.blocks(job.shape)})), dtype

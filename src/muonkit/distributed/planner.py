@@ -1,0 +1,219 @@
+"""One planner for every layout: who orthogonalizes each :class:`~muonkit.distributed.pieces.Job`, and from which copies.
+
+A layout reader (DDP, FSDP2, ZeRO, any DTensor mesh) describes where the parts of every Muon
+tensor live as :class:`~muonkit.distributed.pieces.Job` s; :func:`make_plan` turns them into a
+:class:`Plan`, a pure function of the jobs, their costs and the world size, so every rank computes
+the same plan with no communication. :class:`~muonkit.distributed.executor.PlannedStrategy`
+carries it out.
+
+**Owners** (:func:`choose_owners`), one per job among all ranks of the group:
+
+1. a job held whole by exactly one rank and by no one else (a ZeRO-1/2 param inside one
+   partition, an expert on its expert-parallel rank, a tensor whose rows all sit on one FSDP rank)
+   is orthogonalized where it lies: nothing moves. These jobs are the initial loads.
+2. the other jobs, largest Newton-Schulz cost first (Graham's LPT), go to a rank whose load is
+   within ``tolerance * total / W`` of the least-loaded rank's, preferring ranks that hold the
+   whole job (DDP: every rank; the least loaded of them), then ranks that hold part of it (the
+   least loaded, ties to the one holding most elements: fewer bytes to move), and only when none
+   of those is within the tolerance the least-loaded rank of all.
+
+Every rank's load after a free job lands on it is at most the least load plus the tolerance plus
+that job, and the least load never exceeds the average, so the largest per-rank cost is at most
+``(1 + tolerance) * total / W + largest job`` (``tolerance=0.1``), except where rule 1 itself
+puts more on one rank (the layout decides that; moving such a job would cost its bytes twice).
+The tolerance keeps a straddling ZeRO-1/2 param or a small FSDP matrix on a rank that holds a
+piece of it instead of shipping all of it to a rank that holds nothing.
+
+**Sources** (:func:`choose_sources`): a region held by several ranks (DDP replicas, HSDP
+replicas of a shard) is sent once: by the owner itself when it holds it (nothing moves), else by
+the holder that has sent the fewest elements so far in this plan (ties: the lowest rank).
+
+**Exchange groups**: jobs with the same group key (the executor uses the set of matrix shapes and
+the update dtype) travel in one ``all_to_all`` each way; groups run largest first, so the biggest
+transfers overlap the most Newton-Schulz.
+
+Example: two ranks of DDP and one (8, 8) and two (4, 4) matrices::
+
+    >>> from muonkit.distributed.pieces import Box
+    >>> from muonkit.functional.matrices import MatrixLayout
+    >>> whole = lambda shape: tuple(Piece(r, Box.full(shape)) for r in range(2))
+    >>> jobs = [Job(i, s, MatrixLayout(), whole(s)) for i, s in enumerate([(8, 8), (4, 4), (4, 4)])]
+    >>> make_plan(jobs, costs=[8.0, 1.0, 1.0], world_size=2).owners
+    (0, 1, 1)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from muonkit.config import MuonConfig
+from muonkit.distributed.pieces import Job, Piece, Region
+from muonkit.functional.lr_scaling import lr_scale
+from muonkit.functional.orthogonalize import default_compute_dtype
+
+__all__ = ["Plan", "choose_owners", "choose_sources", "job_cost", "make_plan", "scale_of", "wire_dtype"]
+
+TOLERANCE = 0.1
+"""How much more load than the least-loaded rank's (a fraction of the average) a rank may carry
+to keep a job where its data already is."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Owners, sources and exchange groups of a list of jobs (the same on every rank)."""
+
+    jobs: tuple[Job, ...]
+    owners: tuple[int, ...]
+    """Owner rank of each job; -1 for a zero-size job (no pieces, nothing to compute)."""
+    sources: tuple[tuple[Piece, ...], ...]
+    """Per job: one held piece per distinct region, together covering it once; the owner
+    assembles the job from them."""
+    groups: tuple[tuple[int, ...], ...]
+    """Job indices per exchange group, in execution order (largest first); each in job order."""
+
+    def gathers(self, group: Sequence[int]) -> bool:
+        """Whether any piece of the group must travel to its owner (the same answer on every rank)."""
+        return any(p.rank != self.owners[j] for j in group for p in self.sources[j])
+
+    def returns(self, group: Sequence[int]) -> bool:
+        """Whether any rank other than the owner needs a part of a direction in the group."""
+        return any(p.rank != self.owners[j] for j in group for p in self.jobs[j].receivers)
+
+    def computed(self, rank: int) -> tuple[int, ...]:
+        """Indices of the jobs ``rank`` orthogonalizes."""
+        return tuple(j for j, owner in enumerate(self.owners) if owner == rank)
+
+
+def job_cost(job: Job, config: MuonConfig) -> float:
+    """Newton-Schulz FLOPs of orthogonalizing every matrix of ``job``."""
+    if not job.numel:
+        return 0.0
+    return float(sum(b.count * config.flops(b.rows, b.cols) for b in job.layout.blocks(job.shape)))
+
+
+def make_plan(
+    jobs: Sequence[Job],
+    *,
+    costs: Sequence[float],
+    world_size: int,
+    keys: Sequence[Hashable] | None = None,
+    tolerance: float = TOLERANCE,
+) -> Plan:
+    """The plan of ``jobs`` on ``world_size`` ranks.
+
+    Args:
+        jobs: every job of the call, pieces in group ranks.
+        costs: each job's cost (e.g. :func:`job_cost`), >= 0.
+        world_size: ranks in the group.
+        keys: each job's exchange group key (jobs with equal keys share one exchange); ``None``:
+            a single group for every job.
+        tolerance: see :func:`choose_owners`.
+    """
+    for job in jobs:
+        _check_job(job, world_size)
+    owners = choose_owners(jobs, costs, world_size, tolerance=tolerance)
+    sent = [0] * world_size
+    order = sorted(range(len(jobs)), key=lambda j: (-costs[j], j))
+    chosen: dict[int, tuple[Piece, ...]] = {}
+    for j in order:
+        chosen[j] = choose_sources(jobs[j], owners[j], sent) if owners[j] >= 0 else ()
+    by_key: dict[Hashable, list[int]] = {}
+    for j in order:  # a group's position: that of its largest job
+        if owners[j] >= 0:
+            by_key.setdefault(keys[j] if keys is not None else None, []).append(j)
+    return Plan(
+        jobs=tuple(jobs),
+        owners=tuple(owners),
+        sources=tuple(chosen[j] for j in range(len(jobs))),
+        groups=tuple(tuple(sorted(members)) for members in by_key.values()),
+    )
+
+
+def choose_owners(
+    jobs: Sequence[Job], costs: Sequence[float], world_size: int, *, tolerance: float = TOLERANCE
+) -> list[int]:
+    """The owner of each job (see the module docstring); -1 for a job with no pieces (zero-size).
+
+    Deterministic: ties go to the lowest rank, equal costs keep job order.
+    """
+    if world_size < 1:
+        raise ValueError(f"Invalid world_size={world_size!r}: must be >= 1")
+    if len(costs) != len(jobs) or any(c < 0 for c in costs):
+        raise ValueError(f"Invalid costs={list(costs)!r}: need one cost >= 0 per job ({len(jobs)} jobs)")
+    load = [0.0] * world_size
+    owners = [-1] * len(jobs)
+    free = []
+    for j, job in enumerate(jobs):
+        holders = {p.rank for p in job.held}
+        if not holders:
+            continue  # zero-size: no owner, nothing to compute
+        if len(holders) == 1 and job.held_by(next(iter(holders))) >= job.numel:
+            owners[j] = holders.pop()  # whole on one rank only: computed where it lies
+            load[owners[j]] += costs[j]
+        else:
+            free.append(j)
+    slack = tolerance * (sum(costs) / world_size)
+    for j in sorted(free, key=lambda j: (-costs[j], j)):
+        held = [jobs[j].held_by(r) for r in range(world_size)]
+        near = [r for r in range(world_size) if load[r] <= min(load) + slack]
+        whole = [r for r in near if held[r] >= jobs[j].numel]
+        part = [r for r in near if held[r] > 0]
+        pick = whole or part or list(range(world_size))
+        owners[j] = min(pick, key=lambda r: (load[r], -held[r], r))
+        load[owners[j]] += costs[j]
+    return owners
+
+
+def choose_sources(job: Job, owner: int, sent: list[int]) -> tuple[Piece, ...]:
+    """One holder per distinct region of ``job``: the owner if it holds it, else the holder that
+    has sent the fewest elements so far (``sent``, per rank, updated here)."""
+    regions: dict[object, list[Piece]] = {}
+    for piece in job.held:
+        regions.setdefault(piece.region, []).append(piece)
+    chosen = []
+    for holders in regions.values():
+        mine = [p for p in holders if p.rank == owner]
+        piece = mine[0] if mine else min(holders, key=lambda p: (sent[p.rank], p.rank))
+        if piece.rank != owner:
+            sent[piece.rank] += piece.region.numel
+        chosen.append(piece)
+    return tuple(chosen)
+
+
+def _check_job(job: Job, world_size: int) -> None:
+    """A reader's invariant: the distinct held regions cover the job exactly (internal errors)."""
+    for piece in (*job.held, *job.needed):
+        if not 0 <= piece.rank < world_size:
+            raise ValueError(
+                f"Piece {piece} of tensor {job.tensor} names rank {piece.rank}; the group has {world_size}"
+            )
+    covered = sum(region.numel for region in {p.region for p in job.held})
+    if covered != job.numel:
+        raise ValueError(
+            f"The held regions of tensor {job.tensor}'s job of shape {job.shape} cover {covered} of its "
+            f"{job.numel} elements; distinct regions must cover it once: {job.held}"
+        )
+
+
+def wire_dtype(config: MuonConfig, update: Tensor) -> torch.dtype:
+    """The dtype orthogonalized matrices travel in: the compute dtype when it is narrower (lossless)."""
+    compute = config.ns_dtype if config.ns_dtype is not None else default_compute_dtype(update.device)
+    return compute if compute.itemsize < update.dtype.itemsize else update.dtype
+
+
+def scale_of(job: Job, region: Region, adjust_lr: str | None, *, like: Tensor) -> float | Tensor:
+    """The lr shape scale of ``region`` of ``job``: a float when every block has the same scale,
+    else a flat tensor (``like``'s dtype and device) of each element's scale in storage order."""
+    blocks = job.layout.blocks(job.shape)
+    scales = {lr_scale(adjust_lr, b.rows, b.cols) for b in blocks}
+    if len(scales) == 1:
+        return scales.pop()
+    whole = job.layout.from_matrices(
+        [torch.full((b.count, b.rows, b.cols), lr_scale(adjust_lr, b.rows, b.cols), dtype=like.dtype) for b in blocks],
+        job.shape,
+    ).to(like.device)
+    return region.read(whole)
