@@ -113,6 +113,12 @@ def set_grads(model: nn.Module, step: int, no_grad: dict[str, tuple[int, ...]] =
             p.grad = None
         elif isinstance(p, DTensor):
             p.grad = distribute_tensor(g.to(p.dtype), p.device_mesh, p.placements, src_data_rank=None)
+            local = p.detach().to_local()
+            if p.grad.to_local().shape != local.shape:  # FSDP2 shapes some empty shards its own way: (0, 0, 6)
+                assert local.numel() == p.grad.to_local().numel() == 0, (name, local.shape, p.grad.to_local().shape)
+                p.grad = DTensor.from_local(
+                    torch.zeros_like(local), p.device_mesh, p.placements, shape=p.shape, stride=p.stride()
+                )
         else:
             p.grad = g.to(p.dtype)
         del i
@@ -268,7 +274,10 @@ EXPECTED_PLACEMENTS: dict[str, dict[str, tuple[tuple[str, ...], tuple]]] = {
 
 
 def full(t: Tensor) -> Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
+    """The whole tensor (collective for a DTensor; see :func:`naive_mesh.whole` for FSDP2's empty shards)."""
+    from naive_mesh import whole
+
+    return whole(t)
 
 
 def algorithms(opt: muonkit.HybridMuon) -> dict[str, str]:
@@ -320,7 +329,7 @@ def replica_differences(model: nn.Module) -> list[str]:
     """Params assembled differently on some rank than on its mesh's first rank (``full_tensor()``
     gathers the sharded dims and keeps each rank's own replica): replicas must agree bit for bit
     (collective over every rank)."""
-    wholes = {n: p.detach().full_tensor() for n, p in model.named_parameters() if isinstance(p, DTensor)}
+    wholes = {n: full(p.detach()) for n, p in model.named_parameters() if isinstance(p, DTensor)}
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, wholes)
     problems = []

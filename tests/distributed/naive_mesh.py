@@ -57,17 +57,44 @@ class NaiveMeshStrategy(Strategy):
         whole = [_whole(p, u) for p, u in zip(params, updates, strict=True)]
         hook = functools.partial(self.count_batch, config=config)
         found = muon_directions(whole, [config.layout] * len(whole), config.ns_options, on_batch=hook)
-        return [_local_part(p, d) for p, d in zip(params, found, strict=True)]
+        return [_local_part(p, d, u) for p, d, u in zip(params, found, updates, strict=True)]
+
+
+def whole(t: Tensor) -> Tensor:
+    """``t.full_tensor()`` for a DTensor (collective), ``t`` itself otherwise.
+
+    FSDP2 gives some empty shards a local shape of its own (an expert stack with no expert here,
+    sharded on dim 1: ``(0, 0, 6)`` where DTensor expects ``(0, 2, 6)``), which ``full_tensor()``
+    rejects (torch 2.13); such a shard is replaced by an empty one of DTensor's shape.
+    """
+    if not isinstance(t, DTensor):
+        return t
+    local = t.to_local()
+    expected = _standard_local_shape(t)
+    if local.shape != expected and local.numel() == 0:
+        t = DTensor.from_local(
+            local.new_empty(expected), t.device_mesh, t.placements, shape=t.shape, stride=t.stride(), run_check=False
+        )
+    return t.full_tensor()
+
+
+def _standard_local_shape(t: DTensor) -> torch.Size:
+    empty = torch.empty(t.shape, device="meta")
+    return distribute_tensor(empty, t.device_mesh, t.placements, src_data_rank=None).to_local().shape
 
 
 def _whole(p: Tensor, update: Tensor) -> Tensor:
     if not isinstance(p, DTensor):
         return update
-    spread = DTensor.from_local(update, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(), run_check=False)
-    return spread.full_tensor()
+    return whole(
+        DTensor.from_local(update, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(), run_check=False)
+    )
 
 
-def _local_part(p: Tensor, direction: Tensor) -> Tensor:
+def _local_part(p: Tensor, direction: Tensor, update: Tensor) -> Tensor:
     if not isinstance(p, DTensor):
         return direction
-    return distribute_tensor(direction, p.device_mesh, p.placements, src_data_rank=None).to_local().contiguous()
+    local = distribute_tensor(direction, p.device_mesh, p.placements, src_data_rank=None).to_local()
+    if local.shape != update.shape and local.numel() == update.numel() == 0:
+        return update  # an empty shard FSDP2 shapes its own way, e.g. (0, 0, 6)
+    return local.contiguous()
