@@ -55,7 +55,6 @@ TP_PLAN_KEYS = {
     "mlp.tiny": "col",
     "late": "col",
 }
-EXPERTS = ("experts.w_even", "experts.w_uneven", "experts.w_one")
 PARTS = ("embed", "attn", "mlp", "late", "experts", "router", "norm", "head")
 
 
@@ -107,7 +106,7 @@ def gradient(
 
 def set_grads(model: nn.Module, step: int, no_grad: dict[str, tuple[int, ...]] = NO_GRAD) -> None:
     """Each rank's part of the global gradient of every param (no communication)."""
-    for i, (name, p) in enumerate(model.named_parameters()):
+    for name, p in model.named_parameters():
         g = gradient(_index(name), name, p.shape, step, no_grad)
         if g is None:
             p.grad = None
@@ -121,7 +120,6 @@ def set_grads(model: nn.Module, step: int, no_grad: dict[str, tuple[int, ...]] =
                 )
         else:
             p.grad = g.to(p.dtype)
-        del i
 
 
 def _index(name: str) -> int:
