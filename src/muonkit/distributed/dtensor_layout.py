@@ -288,9 +288,9 @@ class MeshGroup:
 
     group: Any
     ranks: dict[DeviceMesh, torch.Tensor]
-    """Per param mesh: the group rank at each coordinate of the mesh it is read on."""
+    """Per param mesh: the group rank at each coordinate of the mesh it is read on (its own dims first)."""
     dims: dict[DeviceMesh, tuple[int | None, ...]]
-    """Per param mesh: for each dim of the mesh it is read on, its own dim there (None: replicated)."""
+    """Per param mesh: for each dim of ``ranks[mesh]``, the mesh's own dim (None: a dim it lacks, replicated)."""
 
     def boxes(self, param: Any) -> list[tuple[int, Box]]:
         """``(group rank, box)`` of every rank for a DTensor ``param`` (see :func:`rank_boxes`)."""
@@ -326,9 +326,16 @@ def mesh_group(meshes: Sequence[DeviceMesh], *, process_group: Any = None) -> Me
     for mesh in meshes:
         on = mesh if dims[mesh] == tuple(range(mesh.ndim)) and _span(mesh) == span else joined
         order = [dist.get_group_rank(group, g) for g in on.mesh.reshape(-1).tolist()]
-        ranks[mesh] = torch.tensor(order).view(on.shape)
+        on_ranks = torch.tensor(order).view(on.shape)
         if on is mesh:
             dims[mesh] = tuple(range(mesh.ndim))
+        else:  # the mesh's own dims first, in its own order (placements nest in that order), then the others
+            where = dims[mesh]
+            own = sorted(d for d in where if d is not None)
+            perm = [where.index(d) for d in own] + [i for i, d in enumerate(where) if d is None]
+            on_ranks = on_ranks.permute(perm)
+            dims[mesh] = (*own, *(None for d in where if d is None))
+        ranks[mesh] = on_ranks
     return MeshGroup(group, ranks, dims)
 
 
@@ -361,11 +368,6 @@ def _joined(meshes: list[DeviceMesh]) -> tuple[DeviceMesh, dict[DeviceMesh, tupl
 
 def _dims_in(mesh: DeviceMesh, joined_names: tuple[str, ...]) -> tuple[int | None, ...]:
     own = list(mesh.mesh_dim_names or ())
-    if own != [n for n in joined_names if n in own]:
-        raise ValueError(
-            f"Unsupported DTensor device mesh {mesh!r}: its dims {tuple(own)} are in another order than in its root "
-            f"mesh ({joined_names}); HybridMuon reads sub-meshes whose dims keep the root's order"
-        )
     return tuple(own.index(n) if n in own else None for n in joined_names)
 
 
