@@ -306,6 +306,7 @@ class HybridMuon(Optimizer):
         has_grad = [p.grad is not None for g in self.param_groups for p in g["params"]]
         settings = functools.partial(settings_of, configs, self.param_groups, nonfinite=self.nonfinite)
         strategy = self._strategy_for_step(has_grad, settings)  # chosen at the first step
+        strategy.align_grads([p for g in self.param_groups for p in g["params"] if p.grad is not None])
         work = self._checked_work(configs)
         if not any(work):
             _warn_no_gradients(self.param_groups)

@@ -182,6 +182,8 @@ def apply_layout(model: nn.Module, layout: str, world_size: int) -> nn.Module:
         mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
         parallelize_module(model, mesh, _tp_plan())
         distribute_module(model, mesh)  # everything not parallelized: Replicate() on the tp mesh
+    elif layout == "tp_plain":  # TP alone, the other params left plain (as transformers' tp_plan leaves norms)
+        parallelize_module(model, init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",)), _tp_plan())
     elif layout in ("ep", "ep_fsdp"):
         mesh = init_device_mesh("cpu", (half, world_size // half), mesh_dim_names=("ep", "dp"))
         _experts_over(model, mesh["ep"])

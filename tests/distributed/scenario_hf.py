@@ -302,14 +302,6 @@ def accelerate_ddp_prepare_after_the_optimizer_raises_at_the_first_step(ctx: Con
 # ---------------------------------------------------------------------------------------------
 # Models sharded at load time: from_pretrained(..., distributed_config=DistributedConfig(...))
 
-ND_PENDING = (
-    "needs N-D DTensor layouts (issue 10, built on another branch). The Trainer path runs up to the first "
-    "optimizer step, where HybridMuon refuses today: 2-D meshes (HSDP: NotImplementedError), params on two "
-    "meshes at once (FSDP+TP: norms on the 'fsdp' sub-mesh beside ('fsdp', 'tp') weights; EP: experts on "
-    "('efsdp', 'ep') beside dense params on 'fsdp'), TP alone (Shard(1) rowwise weights, plain replicated "
-    "norms beside the DTensors). Enable after merging that branch"
-)
-
 
 def _pretrained(ctx: Context, kind: str, **sizes: int) -> Any:
     """A tiny random model saved by rank 0 and loaded on every rank with ``distributed_config``."""
@@ -376,26 +368,26 @@ def muon_trainer_on_a_model_loaded_with_fsdp_size_2(ctx: Context) -> None:
     _train_sharded_at_load(ctx, "qwen2", fsdp_size=2)
 
 
-@check(2, pending=ND_PENDING)
+@check(2)
 def muon_trainer_on_a_model_loaded_with_tp_size_2(ctx: Context) -> None:
     """DistributedConfig(tp_size=2): a 1-D "tp" mesh, Shard(0) (colwise) and Shard(1) (rowwise
     o_proj, down_proj) DTensors, and plain replicated norms."""
     _train_sharded_at_load(ctx, "qwen2", tp_size=2)
 
 
-@check(2, pending=ND_PENDING)
+@check(2)
 def muon_trainer_on_a_moe_model_loaded_with_ep_size_2(ctx: Context) -> None:
     """DistributedConfig(ep_size=2, fsdp_size=2) on a tiny Qwen3-MoE: 3-D expert stacks."""
     _train_sharded_at_load(ctx, "qwen3_moe", ep_size=2, fsdp_size=2)
 
 
-@check(4, pending=ND_PENDING)
+@check(4)
 def muon_trainer_on_a_model_loaded_with_tp_2_fsdp_2(ctx: Context) -> None:
     """DistributedConfig(tp_size=2, fsdp_size=2): a 2-D ("fsdp", "tp") mesh."""
     _train_sharded_at_load(ctx, "qwen2", tp_size=2, fsdp_size=2)
 
 
-@check(4, pending=ND_PENDING)
+@check(4)
 def muon_trainer_on_a_model_loaded_with_hsdp_2x2(ctx: Context) -> None:
     """DistributedConfig(dp_replicate_size=2, fsdp_size=2): HSDP on a 2-D mesh."""
     _train_sharded_at_load(ctx, "qwen2", dp_replicate_size=2, fsdp_size=2)

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import pytest
+import torch
 import torch.distributed as dist
 from harness import Context, check
 from mesh_layouts import (
@@ -175,6 +177,30 @@ def fsdp2_tp_matches_single_device(ctx: Context) -> None:
 @check(4, both_ns_defaults=True)
 def tp_alone_matches_single_device(ctx: Context) -> None:
     _matches(ctx, "tp")
+
+
+@check(4)
+def tp_with_plain_params_left_over_matches_single_device(ctx: Context) -> None:
+    """TP alone with the params it does not parallelize left plain: read as whole copies on every rank."""
+    model, _ = build("tp_plain", ctx.world_size)
+    plain = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
+    assert plain and len(plain) < len(list(model.parameters())), plain  # both kinds, or the check proves nothing
+    _matches(ctx, "tp_plain")
+    _exactly_once(ctx, "tp_plain")
+
+
+@check(4)
+def plain_params_with_different_gradients_on_some_rank_raise_on_every_rank(ctx: Context) -> None:
+    """A plain param whose gradient nobody averaged (left out of data parallelism) is caught, not stepped."""
+    model, opt = build("tp_plain", ctx.world_size)
+    set_grads(model, 0)
+    plain = next(p for p in model.parameters() if not isinstance(p, DTensor) and p.grad is not None)
+    if ctx.rank == 1:
+        plain.grad.view(-1)[0] += 1.0
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match="gradients of the plain params replicated beside the DTensors"):
+        opt.step()
+    assert all(torch.equal(a, p.detach()) for a, p in zip(before, model.parameters(), strict=True))
 
 
 @check(4, both_ns_defaults=True)

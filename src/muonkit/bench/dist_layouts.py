@@ -84,12 +84,18 @@ class Experts(nn.Module):
         w_fc: Any = self.w_fc
         w_proj: Any = self.w_proj
         if hasattr(w_fc, "to_local"):  # DTensor over "ep": this rank's experts only
-            group = w_fc.device_mesh.get_group()
+            group = _ep_group(w_fc)
             first = torch.distributed.get_rank(group) * w_fc.to_local().size(0)
             w_fc, w_proj = w_fc.to_local(), w_proj.to_local()
             gate = gate[..., first : first + w_fc.size(0)]
         h = F.gelu(torch.einsum("btc,ehc->beth", x, w_fc))
         return torch.einsum("beth,ech,bte->btc", h, w_proj, gate)
+
+
+def _ep_group(w: Any) -> Any:
+    """The process group of the ``ep`` mesh dim of an expert stack (FSDP2 may leave it on ``(dp, ep)``)."""
+    mesh = w.device_mesh
+    return mesh["ep"].get_group() if mesh.ndim > 1 else mesh.get_group()
 
 
 class MoE(nn.Module):
@@ -102,7 +108,7 @@ class MoE(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         w = self.experts.w_fc
-        group = w.device_mesh.get_group() if hasattr(w, "device_mesh") else None
+        group = _ep_group(w) if hasattr(w, "device_mesh") else None
         if group is not None:
             from torch.distributed import _functional_collectives as funcol
 

@@ -76,18 +76,22 @@ def _dtensors(params: list[Tensor]) -> list[Tensor]:
 
 
 def _dtensor_strategy(params: list[Tensor], dtensors: list[Any], process_group: Any | None) -> Strategy:
+    from torch.distributed.tensor import Shard
+
     from muonkit.distributed.collectives import group_of
     from muonkit.distributed.dtensor import DTensorStrategy
 
-    if len(dtensors) != len(params):
+    plain = [p for p in params if not isinstance(p, type(dtensors[0]))]
+    fsdp_only = all(p.device_mesh.ndim == 1 and tuple(p.placements) == (Shard(0),) for p in dtensors)
+    if plain and fsdp_only:
         raise ValueError(
-            f"HybridMuon got {len(dtensors)} DTensor params (FSDP2) and {len(params) - len(dtensors)} plain tensors: "
+            f"HybridMuon got {len(dtensors)} DTensor params (FSDP2) and {len(plain)} plain tensors: "
             "apply fully_shard so that every parameter is sharded (shard the root module too: fully_shard(model)), "
             "or give the plain tensors to a separate optimizer"
         )
     meshes = list(dict.fromkeys(p.device_mesh for p in dtensors))
     group = None if process_group is None else group_of(process_group)
-    return DTensorStrategy(meshes, process_group=group)
+    return DTensorStrategy(meshes, process_group=group, replicated=plain)
 
 
 def __getattr__(name: str) -> Any:

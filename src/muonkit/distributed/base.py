@@ -83,6 +83,14 @@ class Strategy(ABC):
         """
         del has_grad, settings
 
+    def align_grads(self, params: Sequence[Tensor]) -> None:
+        """Lay out each param's gradient like the param, where an engine left it otherwise.
+
+        Called by ``step()`` on every param with a gradient, the same params on every rank, before
+        anything is checked. Default: nothing (plain tensors).
+        """
+        del params
+
     def check_params(self, params: list[Tensor]) -> None:
         """Raise on Muon params this strategy cannot step, before ``step()`` changes anything.
 

@@ -21,6 +21,12 @@ flattened ``dp`` mesh, experts on ``(ep, dp)``) or are named sub-meshes of one r
 left out of tensor parallelism, ``fully_shard``-ed on ``dp`` of ``(dp, tp)``: replicated over
 ``tp``); see :func:`~muonkit.distributed.dtensor_layout.mesh_group`.
 
+Plain params beside TP DTensors (the norms ``parallelize_module`` or a transformers ``tp_plan``
+leaves plain) are read as whole copies on every rank; each step checks that every rank has the
+same gradients for them (a fingerprint in the agreement check), so a plain param whose gradient
+nobody averaged raises instead of drifting. Beside FSDP2-only params (``Shard(0)`` on one 1-D
+mesh) plain params are refused: there they mean ``fully_shard`` was not applied to the root.
+
 Example (under ``torchrun``, any of FSDP2, HSDP, TP, FSDP2 + TP, EP; under pipeline
 parallelism one optimizer per stage, over that stage's params)::
 
@@ -34,8 +40,8 @@ parallelism one optimizer per stage, over that stage's params)::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -43,9 +49,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from muonkit.config import MuonConfig
+from muonkit.distributed.agreement import Setting
 from muonkit.distributed.dtensor_layout import mesh_group, tensor_jobs
 from muonkit.distributed.executor import PlannedStrategy
-from muonkit.distributed.pieces import Job
+from muonkit.distributed.pieces import Box, Job
 
 __all__ = ["DTensorStrategy", "dim0_sizes"]
 
@@ -66,19 +73,58 @@ class DTensorStrategy(PlannedStrategy):
 
     name = "fsdp2"
 
-    def __init__(self, mesh: DeviceMesh | Sequence[DeviceMesh], *, process_group: Any | None = None) -> None:
+    def __init__(
+        self,
+        mesh: DeviceMesh | Sequence[DeviceMesh],
+        *,
+        process_group: Any | None = None,
+        replicated: Sequence[Tensor] = (),
+    ) -> None:
         meshes = [mesh] if isinstance(mesh, DeviceMesh) else list(mesh)
         self.layout = mesh_group(meshes, process_group=process_group)
         super().__init__(self.layout.group)
         self.meshes = meshes
         self.mesh = meshes[0]
+        self.replicated = list(replicated)
         self._jobs: dict[Any, list[Job]] = {}  # a param's jobs depend only on its layout: built once
+
+    def check_participation(self, has_grad: Sequence[bool], settings: Callable[[], Sequence[Setting]] = list) -> None:
+        """Also: the plain params (replicated beside the DTensors) have the same gradients on every rank.
+
+        Tensor parallelism leaves some params plain (norms under ``parallelize_module``, or
+        transformers' ``tp_plan``); they are read as whole copies on every rank of the group, which
+        is right only if every rank computes the same gradient for them. One fingerprint per
+        step (their gradients' sums, in float64) joins the step's agreement check, so plain params
+        left out of a data-parallel wrapper (their gradients never averaged) raise on every rank
+        instead of drifting apart.
+        """
+        grads = [p.grad for p in self.replicated if p.grad is not None]
+        if not grads:
+            return super().check_participation(has_grad, settings)
+        sums = torch.stack([g.detach().double().sum() for g in grads]).tolist()
+        fingerprint = Setting("gradients of the plain params replicated beside the DTensors", repr(sums))
+        return super().check_participation(has_grad, lambda: [*settings(), fingerprint])
 
     def local(self, t: Tensor) -> Tensor:
         return t.to_local() if isinstance(t, DTensor) else t
 
     def new_state(self, param: Tensor, dtype: torch.dtype) -> Tensor:
         return torch.zeros_like(param, dtype=dtype)  # a DTensor with the param's mesh and placements
+
+    def align_grads(self, params: Sequence[Tensor]) -> None:
+        """A DTensor gradient placed otherwise than its param is redistributed to the param's placements.
+
+        Tensor parallel models may leave a gradient ``Replicate()`` or ``Partial()`` where the param is
+        ``Shard(0)`` (an embedding under transformers' ``tp_plan``); torch's own optimizers would
+        redistribute it op by op. ``Partial`` is reduced, as the placement means.
+        """
+        for p in params:
+            grad = p.grad
+            misplaced = isinstance(grad, DTensor) and (
+                grad.device_mesh != p.device_mesh or tuple(grad.placements) != tuple(p.placements)
+            )
+            if isinstance(p, DTensor) and misplaced:
+                p.grad = cast(DTensor, grad).redistribute(p.device_mesh, p.placements)
 
     def check_params(self, params: list[Tensor]) -> None:
         for param in params:
@@ -97,6 +143,8 @@ class DTensorStrategy(PlannedStrategy):
 
     def _boxes(self, param: Tensor) -> list[Any]:
         if not isinstance(param, DTensor):
+            if any(param is p for p in self.replicated):  # a whole copy on every rank of the group
+                return [(r, Box.full(tuple(param.shape))) for r in range(self.comm.world_size)]
             raise ValueError(
                 f"{type(self).__name__} needs DTensor params; got a plain tensor of shape {tuple(param.shape)}"
             )
