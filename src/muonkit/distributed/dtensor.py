@@ -41,7 +41,7 @@ parallelism one optimizer per stage, over that stage's params)::
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -120,11 +120,10 @@ class DTensorStrategy(PlannedStrategy):
         """
         for p in params:
             grad = p.grad
-            misplaced = isinstance(grad, DTensor) and (
-                grad.device_mesh != p.device_mesh or tuple(grad.placements) != tuple(p.placements)
-            )
-            if isinstance(p, DTensor) and misplaced:
-                p.grad = cast(DTensor, grad).redistribute(p.device_mesh, p.placements)
+            if not (isinstance(p, DTensor) and isinstance(grad, DTensor)):
+                continue
+            if grad.device_mesh != p.device_mesh or tuple(grad.placements) != tuple(p.placements):
+                p.grad = grad.redistribute(p.device_mesh, p.placements)
 
     def check_params(self, params: list[Tensor]) -> None:
         for param in params:
