@@ -219,15 +219,21 @@ def strategy_is_chosen_from_the_params_at_the_first_step(ctx: Context) -> None:
         assert isinstance(opt.strategy, DTensorStrategy), type(opt.strategy)
         assert all_sum(opt.strategy.stats.matrices) == 2, opt.strategy.stats
 
-    # a group that is not the DTensors' mesh is refused at the first step, before anything changes
-    opt, sharded = swapped(dist.new_group(list(range(ctx.world_size))))
+    # another group over the same ranks as the DTensors' mesh is used as it is
+    opt, _ = swapped(dist.new_group(list(range(ctx.world_size))))
+    opt.step()
+    assert all_sum(opt.strategy.stats.matrices) == 2, opt.strategy.stats
+
+    # a group over other ranks than the DTensors' mesh is refused at the first step, before anything changes
+    singles = [dist.new_group([r]) for r in range(ctx.world_size)]  # every rank creates every group
+    opt, sharded = swapped(singles[ctx.rank])
     before = [p.detach().full_tensor() for p in sharded]
     try:
         opt.step()
     except ValueError as e:
-        assert "process_group= differs from the device mesh" in str(e), str(e)
+        assert "process_group= spans ranks" in str(e), str(e)
     else:
-        raise AssertionError("a process_group that is not the DTensors' mesh must be refused")
+        raise AssertionError("a process_group over other ranks than the DTensors' mesh must be refused")
     assert all(torch.equal(b, p.detach().full_tensor()) for b, p in zip(before, sharded, strict=True))
     assert not opt.state
 
