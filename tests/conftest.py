@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -46,3 +47,17 @@ def _default_ns_dtype(request: pytest.FixtureRequest, monkeypatch: pytest.Monkey
     fast = bool(request.getfixturevalue("fast_bf16")) if "fast_bf16" in request.fixturenames else False
     module = importlib.import_module("muonkit.functional.orthogonalize")  # the module, not the function
     monkeypatch.setattr(module, "_cpu_has_fast_bf16", lambda: fast)
+
+
+@pytest.fixture
+def one_rank() -> Iterator[None]:
+    """A one-rank gloo process group for the test (skipped where one already exists)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

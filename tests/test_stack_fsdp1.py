@@ -7,11 +7,8 @@ directly, in this process on a one-rank gloo group (both of FSDP1's parameter mo
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
 
 import muonkit
@@ -19,17 +16,6 @@ import muonkit
 POINTER = (
     r"flattened by FSDP1.*FSDP2: torch\.distributed\.fsdp\.fully_shard \(Lightning: strategy=ModelParallelStrategy"
 )
-
-
-@pytest.fixture
-def one_rank() -> Iterator[None]:
-    if dist.is_initialized():
-        pytest.skip("a process group already exists in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def mlp() -> torch.nn.Module:

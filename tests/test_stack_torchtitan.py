@@ -6,12 +6,10 @@ with the same lr schedule on an unwrapped copy of the model."""
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -26,17 +24,6 @@ from torchtitan.components.optimizer import LRSchedulersContainer, ParamGroupCon
 from muonkit.integrations.torchtitan import HybridMuonContainer
 
 STEPS = 4
-
-
-@pytest.fixture
-def one_rank() -> Iterator[None]:
-    if dist.is_initialized():
-        pytest.skip("a process group already exists in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 class Block(nn.Module):

@@ -1,4 +1,5 @@
-"""The N-D device-mesh suite: HSDP, FSDP2 + TP, TP, EP, pipeline stages, checkpoints across meshes.
+"""The N-D device-mesh suite: HSDP, FSDP2 + TP, TP, EP, pipeline stages, checkpoints across meshes,
+and every rank's box of real DTensors (scenario_dtensor_layout).
 
 Launches (each one process group, many checks): W=4 runs the 2x2 layouts and saves the
 checkpoints, W=1 resumes those that end on one device, W=8 runs the 2x2x2 layouts (``slow``:
@@ -16,7 +17,11 @@ from launcher import failure_report, launch
 
 pytestmark = pytest.mark.distributed
 
-MODULES = ["scenario_mesh", "scenario_mesh_checkpoint"]
+MODULES = [
+    "scenario_mesh",
+    "scenario_mesh_checkpoint",
+    "scenario_dtensor_layout",
+]  # the last: real DTensors read as boxes
 WORLD_SIZES = [4, 1, 8]  # 4 first: it writes the checkpoints W=1 loads
 TIMEOUT = {1: 240.0, 4: 600.0, 8: 900.0}
 CASES = [
