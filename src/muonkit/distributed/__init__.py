@@ -81,7 +81,8 @@ def _dtensor_strategy(params: list[Tensor], dtensors: list[Any], process_group: 
     from muonkit.distributed.collectives import group_of
     from muonkit.distributed.dtensor import DTensorStrategy
 
-    plain = [p for p in params if not isinstance(p, type(dtensors[0]))]
+    sharded = {id(p) for p in dtensors}
+    plain = [p for p in params if id(p) not in sharded]
     fsdp_only = all(p.device_mesh.ndim == 1 and tuple(p.placements) == (Shard(0),) for p in dtensors)
     if plain and fsdp_only:
         raise ValueError(

@@ -30,7 +30,6 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import torch
 from torch import Tensor
 
 from muonkit.functional.matrices import MatrixLayout
@@ -160,11 +159,6 @@ class Job:
     def held_by(self, rank: int) -> int:
         """How many elements of the job ``rank`` holds (the planner's preference)."""
         return sum(p.region.numel for p in self.held if p.rank == rank)
-
-
-def empty_like_job(job: Job, like: Tensor) -> Tensor:
-    """A scratch whole tensor for ``job`` with ``like``'s dtype and device."""
-    return torch.empty(job.shape, dtype=like.dtype, device=like.device)
 
 
 def local_part(local: Tensor, piece: Piece) -> Tensor:
