@@ -28,13 +28,17 @@ from muonkit.functional.validation import positive_int as _positive_int
 from muonkit.functional.validation import real
 from muonkit.functional.validation import unit as _unit
 
-Algorithm = Literal["muon", "adamw"]
-ALGORITHMS: tuple[str, ...] = ("muon", "adamw")
+Algorithm = Literal["muon", "normuon", "adamw"]
+ALGORITHMS: tuple[str, ...] = ("muon", "normuon", "adamw")
+MATRIX_ALGORITHMS: tuple[str, ...] = ("muon", "normuon")
+"""The algorithms that orthogonalize (routed alike: >= 2D hidden matrices)."""
 MUON_KEYS = (
     "lr", "momentum", "nesterov", "ns_coefficients", "ns_steps", "eps", "weight_decay",
-    "adjust_lr", "layout", "split_sizes", "ns_dtype", "ns_method",
+    "adjust_lr", "layout", "split_sizes", "ns_dtype", "ns_method", "cautious_wd",
 )  # fmt: skip
-ADAMW_KEYS = ("lr", "betas", "eps", "weight_decay")
+NORMUON_KEYS = (*MUON_KEYS, "beta2")
+"""A NorMuon group's keys: Muon's, ``beta2``, and ``eps`` as NorMuon's (see :class:`MuonConfig`)."""
+ADAMW_KEYS = ("lr", "betas", "eps", "weight_decay", "cautious_wd")
 SCHEDULER_KEYS = ("initial_lr", "max_lr", "min_lr", "base_momentum", "max_momentum", "swa_lr")
 """Keys torch's lr schedulers and SWA write into param groups (a group copied from a scheduled
 optimizer carries them); the step ignores them."""
@@ -42,7 +46,7 @@ GROUP_KEYS: tuple[str, ...] = (
     "params",
     "param_names",
     "algorithm",
-    *dict.fromkeys(MUON_KEYS + ADAMW_KEYS),
+    *dict.fromkeys(NORMUON_KEYS + ADAMW_KEYS),
     *SCHEDULER_KEYS,
 )
 """Every key a param group handed to :class:`muonkit.HybridMuon` may have."""
@@ -88,6 +92,9 @@ class Defaults:
     adamw_eps: float = 1e-8
     adamw_weight_decay: float = 0.0
     nonfinite: Literal["skip", "raise", "unchecked"] = "skip"
+    normuon_beta2: float = 0.95
+    normuon_eps: float = 1e-8
+    cautious_wd: bool = False
 
 
 DEFAULTS = Defaults()
@@ -98,7 +105,12 @@ TORCH_MUON_DEFAULTS = Defaults(lr=1e-3, weight_decay=0.1, ns_coefficients=KELLER
 
 @dataclass(frozen=True)
 class MuonConfig:
-    """Hyperparameters of a Muon group (see :class:`muonkit.HybridMuon` for their meaning)."""
+    """Hyperparameters of a Muon or NorMuon group (see :class:`muonkit.HybridMuon` for their meaning).
+
+    ``algorithm="normuon"`` adds NorMuon's row normalization (:mod:`muonkit.functional.normuon`)
+    with ``beta2`` and ``eps``; in a NorMuon group ``eps`` is both that denominator's guard and
+    Newton-Schulz's normalization margin (NorMuon's default, 1e-8, instead of Muon's 1e-7).
+    """
 
     lr: float
     momentum: float
@@ -111,6 +123,14 @@ class MuonConfig:
     layout: MatrixLayout
     ns_dtype: torch.dtype | None
     ns_method: str = "gram"
+    cautious_wd: bool = False
+    algorithm: str = "muon"
+    beta2: float = DEFAULTS.normuon_beta2
+
+    @property
+    def normuon(self) -> bool:
+        """Whether this is a NorMuon group."""
+        return self.algorithm == "normuon"
 
     @property
     def ns_options(self) -> NSOptions:
@@ -139,6 +159,7 @@ class AdamWConfig:
     beta2: float
     eps: float
     weight_decay: float
+    cautious_wd: bool = False
 
 
 def group_config(group: Mapping[str, Any], index: int | None = None) -> MuonConfig | AdamWConfig:
@@ -148,12 +169,14 @@ def group_config(group: Mapping[str, Any], index: int | None = None) -> MuonConf
     if algorithm not in ALGORITHMS:
         raise ValueError(f"Invalid algorithm={algorithm!r}{where}: must be one of {ALGORITHMS}")
     try:
-        return _muon_config(group) if algorithm == "muon" else _adamw_config(group)
+        return _adamw_config(group) if algorithm == "adamw" else _muon_config(group, algorithm)
     except ValueError as e:
         raise ValueError(f"{e}{where}") from None
 
 
-def _muon_config(g: Mapping[str, Any]) -> MuonConfig:
+def _muon_config(g: Mapping[str, Any], algorithm: str = "muon") -> MuonConfig:
+    if algorithm == "muon" and "beta2" in g:
+        raise ValueError(f"Invalid beta2={g['beta2']!r} in a Muon group: beta2 is NorMuon's; set algorithm='normuon'")
     ns_coefficients = g["ns_coefficients"]
     ns_steps = _ns_steps("ns_steps", g["ns_steps"])
     resolve_preset(ns_coefficients, steps=ns_steps)  # raises on a bad preset
@@ -187,6 +210,9 @@ def _muon_config(g: Mapping[str, Any]) -> MuonConfig:
         layout=MatrixLayout(layout, split_sizes),
         ns_dtype=ns_dtype,
         ns_method=ns_method,
+        cautious_wd=_bool("cautious_wd", g.get("cautious_wd", DEFAULTS.cautious_wd)),
+        algorithm=algorithm,
+        beta2=_unit("beta2", g["beta2"]) if algorithm == "normuon" else DEFAULTS.normuon_beta2,
     )
 
 
@@ -204,6 +230,8 @@ def _muon_momentum(g: Mapping[str, Any]) -> float:
 
 
 def _adamw_config(g: Mapping[str, Any]) -> AdamWConfig:
+    if "beta2" in g:
+        raise ValueError(f"Invalid beta2={g['beta2']!r} in an AdamW group: set betas=(beta1, beta2)")
     betas = g["betas"]
     if not isinstance(betas, Sequence) or len(betas) != 2:
         raise ValueError(f"Invalid betas={betas!r}: must be a pair (beta1, beta2), each in [0, 1)")
@@ -213,6 +241,7 @@ def _adamw_config(g: Mapping[str, Any]) -> AdamWConfig:
         beta2=_unit("betas[1]", betas[1]),
         eps=_positive("eps", g["eps"]),
         weight_decay=_nonneg("weight_decay", g["weight_decay"]),
+        cautious_wd=_bool("cautious_wd", g.get("cautious_wd", DEFAULTS.cautious_wd)),
     )
 
 
@@ -227,7 +256,7 @@ def check_group_keys(group: Mapping[str, Any], where: str = "", *, allowed: Sequ
         key = unknown[0]
         raise ValueError(
             f"Unknown key {key!r}{where}{key_hint(key, allowed)}: Muon groups take {MUON_KEYS}, "
-            f"AdamW groups {ADAMW_KEYS}"
+            f"NorMuon groups also 'beta2', AdamW groups {ADAMW_KEYS}"
         )
 
 
@@ -239,8 +268,9 @@ def key_hint(key: Any, allowed: Sequence[str]) -> str:
         return f" (torch.optim's {key} option is not supported)"
     if key in KEY_ALIASES and KEY_ALIASES[key] in allowed:
         return f" (did you mean {KEY_ALIASES[key]!r}?)"
-    if key in MUON_KEYS + ADAMW_KEYS:  # allowed elsewhere: muon_options={"betas": ...}
-        return f" ({key!r} is {'a Muon' if key in MUON_KEYS else 'an AdamW'} setting)"
+    if key in NORMUON_KEYS + ADAMW_KEYS:  # allowed elsewhere: muon_options={"betas": ...}
+        owner = "a Muon" if key in MUON_KEYS else "a NorMuon" if key in NORMUON_KEYS else "an AdamW"
+        return f" ({key!r} is {owner} setting)"
     close = difflib.get_close_matches(key, allowed, n=1, cutoff=0.75)
     return f" (did you mean {close[0]!r}?)" if close else ""
 
@@ -252,7 +282,17 @@ def plain_hyperparameters(group: Mapping[str, Any]) -> dict[str, Any]:
     scalars). Tensors (a tensor lr a scheduler updates in place) and non-numbers stay as they are.
     """
     out = dict(group)
-    for key in ("lr", "momentum", "eps", "weight_decay", "ns_steps", "betas", "split_sizes", "ns_coefficients"):
+    for key in (
+        "lr",
+        "momentum",
+        "eps",
+        "weight_decay",
+        "ns_steps",
+        "betas",
+        "split_sizes",
+        "ns_coefficients",
+        "beta2",
+    ):
         if key in out:
             out[key] = _plain(out[key])
     return out

@@ -23,6 +23,7 @@ from torch.optim import Optimizer
 
 from muonkit.config import (
     DEFAULTS,
+    MATRIX_ALGORITHMS,
     TORCH_MUON_DEFAULTS,
     AdamWConfig,
     MuonConfig,
@@ -36,13 +37,20 @@ from muonkit.distributed.agreement import settings_of
 from muonkit.foreign_state import muonkit_group
 from muonkit.functional.adamw import adamw_
 from muonkit.functional.muon import momentum_, muon_apply_, muon_update
+from muonkit.functional.normuon import normuon_rows
 from muonkit.shapes import full_shape
 
 logger = logging.getLogger(__name__)
 
 NonFinite = Literal["skip", "raise", "unchecked"]
 NONFINITE_CHOICES: tuple[str, ...] = ("skip", "raise", "unchecked")
-_STATE_KEYS = {"muon": ("momentum_buffer",), "adamw": ("exp_avg", "exp_avg_sq", "step")}
+_STATE_KEYS = {
+    "muon": ("momentum_buffer",),
+    "normuon": ("momentum_buffer", "row_exp_avg_sq"),
+    "adamw": ("exp_avg", "exp_avg_sq", "step"),
+}
+_ROWS = "row_exp_avg_sq"
+"""NorMuon's state: one value per matrix row of the whole param (see :mod:`muonkit.functional.normuon`)."""
 
 
 class HybridMuon(Optimizer):
@@ -145,6 +153,9 @@ class HybridMuon(Optimizer):
         betas: tuple[float, float] = DEFAULTS.betas,
         adamw_eps: float = DEFAULTS.adamw_eps,
         adamw_weight_decay: float = DEFAULTS.adamw_weight_decay,
+        normuon_beta2: float = DEFAULTS.normuon_beta2,
+        normuon_eps: float = DEFAULTS.normuon_eps,
+        cautious_wd: bool = DEFAULTS.cautious_wd,
         nonfinite: NonFinite = DEFAULTS.nonfinite,
         process_group: Any | None = None,
         strategy: Strategy | None = None,
@@ -168,6 +179,7 @@ class HybridMuon(Optimizer):
         self._adamw_defaults = plain_hyperparameters(
             {"lr": adamw_lr, "betas": betas, "eps": adamw_eps, "weight_decay": adamw_weight_decay}
         )
+        self._normuon_defaults = plain_hyperparameters({"beta2": normuon_beta2, "eps": normuon_eps})
         if isinstance(split_sizes, Sequence) and not isinstance(split_sizes, str):
             split_sizes = tuple(split_sizes)  # anything else is refused with the group's message
         defaults = {
@@ -175,6 +187,7 @@ class HybridMuon(Optimizer):
             "ns_coefficients": ns_coefficients, "ns_steps": ns_steps, "eps": eps,
             "weight_decay": weight_decay, "adjust_lr": adjust_lr, "layout": layout,
             "split_sizes": split_sizes, "ns_dtype": ns_dtype, "ns_method": ns_method, "betas": betas,
+            "cautious_wd": cautious_wd,
         }  # fmt: skip
         super().__init__(params, plain_hyperparameters(defaults))
         self._strategy: Strategy | None = strategy
@@ -279,12 +292,12 @@ class HybridMuon(Optimizer):
             raise ValueError(f"Param group {index} has a complex tensor: complex params are not supported")
         if "algorithm" not in group or group["algorithm"] is None:
             group["algorithm"] = _default_algorithm(params, index, advice=self._mixed_group_advice())
-        if group["algorithm"] == "adamw":
-            for key, value in self._adamw_defaults.items():
-                group.setdefault(key, value)
+        own = {"adamw": self._adamw_defaults, "normuon": self._normuon_defaults}.get(group["algorithm"], {})
+        for key, value in own.items():
+            group.setdefault(key, value)
         filled = {**self.defaults, **group}
         group_config(filled, index)
-        if filled["algorithm"] == "muon":
+        if filled["algorithm"] in MATRIX_ALGORITHMS:
             _check_muon_params(params, filled, index)
         super().add_param_group(plain_hyperparameters(group))
 
@@ -393,23 +406,44 @@ class HybridMuon(Optimizer):
             updates = muon_update(
                 [local(b) for b in buffers], grads, momentum=config.momentum, nesterov=config.nesterov
             )
-            directions = self.strategy.directions(group, updates, config)
+            if config.normuon:
+                rows = [self._row_moments(p, config).clone() for p in group]  # the strategy writes the new ones
+                directions = self.strategy.directions(group, updates, config, rows=rows)
+            else:
+                rows, directions = None, self.strategy.directions(group, updates, config)
             del updates
-            yield _MuonChunk(group, buffers, directions)
+            yield _MuonChunk(group, buffers, directions, rows)
 
     def _momentum_buffer(self, p: Tensor) -> Tensor:
         """``p``'s momentum buffer, or a new zero one (stored only when the step commits)."""
         buffer = self.state.get(p, {}).get("momentum_buffer")
         return self.strategy.new_state(p, self._state_dtype(p)) if buffer is None else buffer
 
+    def _row_moments(self, p: Tensor, config: MuonConfig) -> Tensor:
+        """``p``'s NorMuon row moments, or new zero ones (stored only when the step commits): one
+        value per matrix row of each whole tensor ``p`` stands for, on every rank."""
+        rows = self.state.get(p, {}).get(_ROWS)
+        if rows is None:
+            count = sum(normuon_rows(shape, config.layout) for shape in self.strategy.whole_shapes(p))
+            rows = torch.zeros(count, dtype=self._state_dtype(p), device=p.device)
+        return rows
+
     def _commit_muon(self, chunk: _MuonChunk, config: MuonConfig) -> None:
         """Store and advance the momentum the directions were computed from, then apply them."""
         local = self.strategy.local
         for p, buffer in zip(chunk.params, chunk.buffers, strict=True):
             self.state[p]["momentum_buffer"] = buffer
+        for p, rows in zip(chunk.params, chunk.rows or [], strict=True):
+            self.state[p][_ROWS] = rows
         grads = [local(cast(Tensor, p.grad)) for p in chunk.params]
         momentum_([local(b) for b in chunk.buffers], grads, momentum=config.momentum)
-        muon_apply_([local(p) for p in chunk.params], chunk.directions, lr=config.lr, weight_decay=config.weight_decay)
+        muon_apply_(
+            [local(p) for p in chunk.params],
+            chunk.directions,
+            lr=config.lr,
+            weight_decay=config.weight_decay,
+            cautious_wd=config.cautious_wd,
+        )
         chunk.directions.clear()  # free them now, not when the next chunk replaces this one
 
     def _adamw_step(self, params: list[Tensor], config: AdamWConfig) -> None:
@@ -437,6 +471,7 @@ class HybridMuon(Optimizer):
             beta2=config.beta2,
             eps=config.eps,
             weight_decay=config.weight_decay,
+            cautious_wd=config.cautious_wd,
         )
 
     # ------------------------------------------------------------------ checkpoints
@@ -460,7 +495,10 @@ class HybridMuon(Optimizer):
                 "single-device optimizer can be copied (a distributed strategy holds process groups). Save "
                 "opt.state_dict() (or use muonkit.distributed.checkpoint) and load it into a new optimizer"
             )
-        extra = {"_strategy", "_process_group", "_built_distributed", "nonfinite", "skipped_steps", "_adamw_defaults"}
+        extra = {
+            "_strategy", "_process_group", "_built_distributed", "nonfinite", "skipped_steps", "_adamw_defaults",
+            "_normuon_defaults",
+        }  # fmt: skip
         return {**super().__getstate__(), **{k: v for k, v in self.__dict__.items() if k in extra}}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -523,12 +561,15 @@ class HybridMuon(Optimizer):
                     f"Param group {gi} is {group['algorithm']!r} here but {algorithm!r} in the saved state"
                 )
             merged = {**group, **{k: v for k, v in saved.items() if k != "params"}}  # as load_state_dict will
-            group_config(merged, gi)
-            if algorithm == "muon":
+            config = group_config(merged, gi)
+            rows = None
+            if isinstance(config, MuonConfig):
                 shapes = [s for p in group["params"] for s in whole_shapes(p)]
                 _check_muon_params(group["params"], merged, gi, shapes=shapes, hint=_SWAPPED_PARAMS)
+                rows = functools.partial(_row_count, whole_shapes=whole_shapes, layout=config.layout)
             for p, pid in zip(group["params"], saved["params"], strict=True):
-                _check_param_state(state_dict["state"].get(pid), p, algorithm, gi, index, local=local)
+                state = state_dict["state"].get(pid)
+                _check_param_state(state, p, algorithm, gi, index, local=local, rows=rows)
                 index += 1
         return {**state_dict, "param_groups": groups}
 
@@ -542,6 +583,8 @@ class _MuonChunk:
     """Their momentum buffers before the step (new zero ones are not in the state yet)."""
     directions: list[Tensor]
     """Local slices of ``scale * orthogonalize(U)``, ``U`` computed from ``buffers``."""
+    rows: list[Tensor] | None = None
+    """NorMuon: the new row moments, stored when the step commits."""
 
 
 def _warn_no_gradients(groups: Sequence[Mapping[str, Any]]) -> None:
@@ -603,7 +646,9 @@ def _finite_by_device(lists: Sequence[Sequence[Tensor]]) -> list[bool]:
 def _check_state_fits(state: Mapping[str, Any], p: Tensor, local: Callable[[Tensor], Tensor], group: int) -> None:
     """A param whose shape or device changed after it got state (or whose grad does not fit it) raises."""
     shape, device = tuple(local(p).shape), p.device
-    named = {"grad": cast(Tensor, p.grad)} | {k: v for k, v in state.items() if isinstance(v, Tensor) and v.ndim > 0}
+    named = {"grad": cast(Tensor, p.grad)} | {
+        k: v for k, v in state.items() if isinstance(v, Tensor) and v.ndim > 0 and k != _ROWS
+    }  # NorMuon's row moments are whole on every rank, checked on load
     for key, value in named.items():
         if tuple(local(value).shape) != shape or value.device != device:
             raise ValueError(
@@ -703,7 +748,8 @@ def _check_muon_params(
     for shape in [full_shape(p) for p in params] if shapes is None else shapes:
         if len(shape) < 2:
             raise ValueError(
-                f"Param group {index} (algorithm='muon') has a tensor of shape {shape}: Muon needs >= 2 dims{hint}"
+                f"Param group {index} (algorithm={config.algorithm!r}) has a tensor of shape {shape}: "
+                f"Muon needs >= 2 dims{hint}"
             )
         try:
             config.layout.blocks(shape)
@@ -729,8 +775,10 @@ def _check_param_state(
     index: int,
     *,
     local: Callable[[Tensor], Tensor],
+    rows: Callable[[Tensor], int | None] | None = None,
 ) -> None:
-    """``local``: the part of a (sharded) state this rank holds, where its values are checked."""
+    """``local``: the part of a (sharded) state this rank holds, where its values are checked;
+    ``rows``: the length of a param's NorMuon row moments."""
     if not state:
         return
     expected = _STATE_KEYS[algorithm]
@@ -744,16 +792,23 @@ def _check_param_state(
         if key == "step":
             _check_step(value, group, index)
             continue
-        if not isinstance(value, Tensor) or tuple(value.shape) != tuple(p.shape):
+        count = rows(p) if key == _ROWS and rows is not None else None
+        want = tuple(p.shape) if key != _ROWS else (count,) if count is not None else None
+        if not isinstance(value, Tensor) or (tuple(value.shape) != want if want else value.ndim != 1):
             shape = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
-            raise ValueError(
-                f"Saved {key} of param {index} (group {group}) has shape {shape}, the param has {tuple(p.shape)}"
-            )
+            what = f"needs {want} (one value per matrix row)" if key == _ROWS else f"has {tuple(p.shape)}"
+            raise ValueError(f"Saved {key} of param {index} (group {group}) has shape {shape}, the param {what}")
         if not value.is_floating_point():
             raise ValueError(
                 f"Saved {key} of param {index} (group {group}) has dtype {value.dtype}: must be floating point"
             )
-        _check_state_values(local(value), key, group, index)
+        _check_state_values(value if key == _ROWS else local(value), key, group, index)
+
+
+def _row_count(p: Tensor, *, whole_shapes: Callable[[Tensor], list[tuple[int, ...]]], layout: Any) -> int | None:
+    """The length of ``p``'s NorMuon row moments; None while the whole tensors are not known yet."""
+    shapes = whole_shapes(p)
+    return sum(normuon_rows(s, layout) for s in shapes) if shapes else None
 
 
 def _check_state_values(value: Tensor, key: str, group: int, index: int) -> None:
@@ -767,9 +822,9 @@ def _check_state_values(value: Tensor, key: str, group: int, index: int) -> None
             f"Saved {key} of param {index} (group {group}) has non-finite values (min {low:.4g}, max {high:.4g}): "
             "must be finite"
         )
-    if key == "exp_avg_sq" and low < 0:
+    if key in ("exp_avg_sq", _ROWS) and low < 0:
         raise ValueError(
-            f"Saved exp_avg_sq of param {index} (group {group}) has negative values (min {low:.4g}): must be >= 0"
+            f"Saved {key} of param {index} (group {group}) has negative values (min {low:.4g}): must be >= 0"
         )
 
 

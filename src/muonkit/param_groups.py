@@ -14,7 +14,7 @@ from typing import Any
 
 from torch import nn
 
-from muonkit.config import ADAMW_KEYS, MUON_KEYS, check_group_keys
+from muonkit.config import ADAMW_KEYS, MATRIX_ALGORITHMS, MUON_KEYS, NORMUON_KEYS, check_group_keys
 from muonkit.routing import STATE_BYTES, Route, RuleLike, route
 
 
@@ -27,6 +27,7 @@ def param_groups(
     adamw_weight_decay: float | None = None,
     rules: Sequence[RuleLike] | Mapping[str, str] | None = None,
     split_qkv: bool = False,
+    muon_algorithm: str = "muon",
     muon_options: Mapping[str, Any] | None = None,
     adamw_options: Mapping[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
@@ -40,8 +41,16 @@ def param_groups(
     else comes from the optimizer's defaults, so
     ``HybridMuon(param_groups(model), lr=0.05, adamw_lr=1e-3)`` trains at 0.05 and 1e-3.
     See :mod:`muonkit.routing` for the rules; ``rules`` are checked first.
+
+    ``muon_algorithm``: the algorithm of the matrix groups, ``"muon"`` or ``"normuon"`` (NorMuon,
+    routed exactly like Muon; its ``beta2`` and ``eps`` go in ``muon_options``)::
+
+        groups = muonkit.param_groups(model, muon_algorithm="normuon", muon_options={"beta2": 0.95})
     """
-    check_group_keys(muon_options or {}, " in muon_options", allowed=MUON_KEYS)
+    if muon_algorithm not in MATRIX_ALGORITHMS:
+        raise ValueError(f"Invalid muon_algorithm={muon_algorithm!r}: must be one of {MATRIX_ALGORITHMS}")
+    allowed = NORMUON_KEYS if muon_algorithm == "normuon" else MUON_KEYS
+    check_group_keys(muon_options or {}, " in muon_options", allowed=allowed)
     check_group_keys(adamw_options or {}, " in adamw_options", allowed=ADAMW_KEYS)
     # The options win: muon_options={"weight_decay": 0.1} must not clash with the keyword.
     options = {
@@ -54,7 +63,8 @@ def param_groups(
     for r in routes:
         key = (r.algorithm, r.layout, r.split_sizes)
         if key not in groups:
-            groups[key] = {"params": [], "param_names": [], **_routed(r), **options[r.algorithm]}
+            routed = _routed(r) | ({"algorithm": muon_algorithm} if r.algorithm == "muon" else {})
+            groups[key] = {"params": [], "param_names": [], **routed, **options[r.algorithm]}
         groups[key]["params"].append(named[r.name])
         groups[key]["param_names"].append(r.name)
     return list(groups.values())

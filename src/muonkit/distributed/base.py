@@ -9,6 +9,7 @@ collectives.
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -18,6 +19,8 @@ from torch import Tensor
 
 from muonkit.config import MuonConfig
 from muonkit.distributed.agreement import Setting
+from muonkit.functional.matrices import MatrixLayout
+from muonkit.functional.muon import NSOptions, muon_directions, normuon_directions
 from muonkit.shapes import full_shape
 
 
@@ -110,14 +113,45 @@ class Strategy(ABC):
         return [list(range(len(params)))]
 
     @abstractmethod
-    def directions(self, params: list[Tensor], updates: list[Tensor], config: MuonConfig) -> list[Tensor]:
+    def directions(
+        self, params: list[Tensor], updates: list[Tensor], config: MuonConfig, *, rows: list[Tensor] | None = None
+    ) -> list[Tensor]:
         """Local slices of ``scale * orthogonalize(U)`` for each param.
 
         ``updates[i]`` is the local slice of the momentum update of ``params[i]``; the result
         has the same local shape. Each whole matrix is orthogonalized exactly once across ranks.
         ``updates`` are fresh scratch tensors (:func:`muon_update` returns new ones), so a
         strategy may write the directions into them and return them, to save memory.
+
+        NorMuon groups (``config.normuon``) also pass ``rows``: a fresh copy of each param's
+        row moments, whole on every rank (:func:`~muonkit.functional.normuon.normuon_rows` per
+        whole tensor of :meth:`whole_shapes`, concatenated); the directions are then NorMuon's
+        (:func:`~muonkit.functional.muon.normuon_directions`, normalized on the rank that
+        orthogonalizes the whole matrix) and the strategy overwrites ``rows`` with the new
+        moments, the same values on every rank.
         """
+
+    def compute(
+        self,
+        wholes: Sequence[Tensor],
+        layouts: Sequence[MatrixLayout],
+        config: MuonConfig,
+        *,
+        options: NSOptions | None = None,
+        rows: Sequence[Tensor] | None = None,
+    ) -> tuple[list[Tensor], list[Tensor]]:
+        """Directions of whole tensors (counted in :attr:`stats`) and, for NorMuon, their new row moments.
+
+        ``options``: the orthogonalization (default ``config.ns_options``); ``rows``: the row
+        moments of each whole tensor, required for NorMuon groups (and not modified).
+        """
+        options = config.ns_options if options is None else options
+        hook = functools.partial(self.count_batch, config=config)
+        if not config.normuon:
+            return muon_directions(wholes, layouts, options, on_batch=hook), []
+        if rows is None:
+            raise ValueError("NorMuon directions need the row moments (rows=)")
+        return normuon_directions(wholes, rows, layouts, options, beta2=config.beta2, eps=config.eps, on_batch=hook)
 
     def count_batch(self, count: int, rows: int, cols: int, *, config: MuonConfig) -> None:
         """Record one batched orthogonalization on this rank."""

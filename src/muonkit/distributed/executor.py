@@ -28,7 +28,6 @@ bit for bit wherever batched products do not depend on the batch.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from abc import abstractmethod
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
@@ -42,7 +41,7 @@ from muonkit.distributed.base import Strategy
 from muonkit.distributed.collectives import Collectives, Pending, group_of
 from muonkit.distributed.pieces import Box, Job, Piece, Region, Span, local_part
 from muonkit.distributed.planner import Plan, job_cost, make_plan, scale_of, wire_dtype
-from muonkit.functional.muon import NSOptions, muon_directions
+from muonkit.functional.muon import NSOptions
 
 __all__ = ["PlannedStrategy"]
 
@@ -71,9 +70,11 @@ class PlannedStrategy(Strategy):
     def check_participation(self, has_grad: Sequence[bool], settings: Callable[[], Sequence[Setting]] = list) -> None:
         self.comm.check_agreement([*settings(), Setting("strategy", self.name)], has_grad)
 
-    def directions(self, params: list[Tensor], updates: list[Tensor], config: MuonConfig) -> list[Tensor]:
+    def directions(
+        self, params: list[Tensor], updates: list[Tensor], config: MuonConfig, *, rows: list[Tensor] | None = None
+    ) -> list[Tensor]:
         jobs = self.jobs(params, updates, config)
-        self.run(self.plan_of(jobs, updates, config), updates, updates, config)
+        self.run(self.plan_of(jobs, updates, config), updates, updates, config, rows=rows)
         return updates  # scratch (see Strategy): every read of it happens before its region is written
 
     def plan_of(
@@ -97,12 +98,23 @@ class PlannedStrategy(Strategy):
             self._plans[cache_key] = plan
         return plan
 
-    def run(self, plan: Plan, updates: Sequence[Tensor], out: Sequence[Tensor], config: MuonConfig) -> None:
+    def run(
+        self,
+        plan: Plan,
+        updates: Sequence[Tensor],
+        out: Sequence[Tensor],
+        config: MuonConfig,
+        *,
+        rows: Sequence[Tensor] | None = None,
+    ) -> None:
         """Write into ``out`` (local tensors like ``updates``) this rank's regions of every job's direction.
 
         ``out`` may be ``updates`` itself: a job's regions are read (sent, or viewed by its owner)
-        before they are written, and jobs do not share regions.
+        before they are written, and jobs do not share regions. ``rows`` (NorMuon): each
+        tensor's row moments, whole on every rank; overwritten with the new ones (see
+        :class:`_RowMoments`).
         """
+        moments = _RowMoments(plan, rows) if rows is not None else None
         gathers = [self._gather(plan, group, updates) for group in plan.groups]
         returns = []
         for k, group in enumerate(plan.groups):
@@ -110,14 +122,16 @@ class PlannedStrategy(Strategy):
             wire = wire_dtype(config, like)
             on_owner = wire == like.dtype  # nothing to cast up on arrival: the owner scales, as one device does
             options = config.ns_options if on_owner else dataclasses.replace(config.ns_options, adjust_lr=None)
-            hook = functools.partial(self.count_batch, config=config)
             mine = [j for j in group if plan.owners[j] == self.comm.rank]
             ready = [j for j in mine if all(p.rank == self.comm.rank for p in plan.sources[j])]
-            results = dict(zip(ready, self._orthogonalize(plan, ready, updates, {}, options, hook), strict=True))
+            results = dict(
+                zip(ready, self._orthogonalize(plan, ready, updates, {}, options, config, moments), strict=True)
+            )
             received = self._wait(gathers[k], plan, group)
             gathers[k] = None  # free the received pieces now, not at the end of the step
             rest = [j for j in mine if j not in results]
-            results.update(zip(rest, self._orthogonalize(plan, rest, updates, received, options, hook), strict=True))
+            computed = self._orthogonalize(plan, rest, updates, received, options, config, moments)
+            results.update(zip(rest, computed, strict=True))
             returns.append((on_owner, *self._send_back(plan, group, results, wire, like)))
             for j, direction in results.items():
                 for piece in plan.jobs[j].receivers:
@@ -128,6 +142,8 @@ class PlannedStrategy(Strategy):
                 pending.wait()
             for (j, piece), data in pieces:
                 self._write(plan.jobs[j], piece, data, out, config, scaled=on_owner)
+        if moments is not None:
+            moments.share(self.comm)
 
     # -- the two exchanges ---------------------------------------------------------------------
 
@@ -216,14 +232,21 @@ class PlannedStrategy(Strategy):
         updates: Sequence[Tensor],
         received: dict[tuple[int, Piece], Tensor],
         options: NSOptions,
-        hook: Callable[[int, int, int], None],
+        config: MuonConfig,
+        moments: _RowMoments | None,
     ) -> list[Tensor]:
-        """Directions of my ``jobs`` (whole, in the update dtype), batched by matrix shape."""
+        """Directions of my ``jobs`` (whole, in the update dtype), batched by matrix shape; NorMuon's
+        new row moments of them go into ``moments``."""
         if not jobs:
             return []
         wholes = [self._whole(plan, j, updates, received) for j in jobs]
         layouts = [plan.jobs[j].layout for j in jobs]
-        return muon_directions(wholes, layouts, options, on_batch=hook)
+        rows = None if moments is None else [moments.old(j) for j in jobs]
+        directions, new_rows = self.compute(wholes, layouts, config, options=options, rows=rows)
+        if moments is not None:
+            for j, new in zip(jobs, new_rows, strict=True):
+                moments.computed(j, new)
+        return directions
 
     def _whole(
         self, plan: Plan, j: int, updates: Sequence[Tensor], received: dict[tuple[int, Piece], Tensor]
@@ -256,6 +279,50 @@ class PlannedStrategy(Strategy):
         if isinstance(scale, Tensor):  # split blocks of different scales: cache the region's map
             scale = self._scales[key] = scale.view(view.shape)
         return scale
+
+
+class _RowMoments:
+    """NorMuon's row moments during one :meth:`PlannedStrategy.run`: old ones in, new ones out, on every rank.
+
+    Each rank keeps every tensor's moments whole (one value per matrix row: tiny). The jobs of a
+    tensor come in the order of its rows (each expert, and in it each ``split_sizes`` block:
+    :func:`~muonkit.functional.normuon.normuon_rows`), so job ``j`` owns the next
+    ``rows(job)`` values of its tensor's vector. The owner of a job computes its new moments
+    from the whole direction; every rank writes those it computed into a zero vector and one
+    ``all_reduce(SUM)`` of all of them gives every rank every new value exactly (each value
+    has one non-zero contributor). Values of no job with an owner (empty matrices) keep the
+    old ones, as on one device.
+    """
+
+    def __init__(self, plan: Plan, rows: Sequence[Tensor]) -> None:
+        self.rows = rows
+        self.spans: list[tuple[int, int, int]] = []  # per job: (tensor, start, stop)
+        ends = [0] * len(rows)
+        for job in plan.jobs:
+            count = sum(b.count * b.rows for b in job.layout.blocks(job.shape))
+            self.spans.append((job.tensor, ends[job.tensor], ends[job.tensor] + count))
+            ends[job.tensor] += count
+        self.owned = [j for j, owner in enumerate(plan.owners) if owner >= 0]
+        self.sums = [torch.zeros_like(v) for v in rows]
+
+    def old(self, j: int) -> Tensor:
+        t, start, stop = self.spans[j]
+        return self.rows[t][start:stop]
+
+    def computed(self, j: int, new: Tensor) -> None:
+        t, start, stop = self.spans[j]
+        self.sums[t][start:stop] = new
+
+    def share(self, comm: Collectives) -> None:
+        """The one all-reduce; then ``rows`` hold the new moments."""
+        if not self.rows:
+            return
+        flat = torch.cat([s.reshape(-1) for s in self.sums])
+        comm.all_reduce(flat, op=torch.distributed.ReduceOp.SUM)
+        sums = torch.split(flat, [s.numel() for s in self.sums])
+        for j in self.owned:
+            t, start, stop = self.spans[j]
+            self.rows[t][start:stop] = sums[t][start:stop]
 
 
 def _in_order(region: Region, job: Job) -> bool:

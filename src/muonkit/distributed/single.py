@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import functools
-
 from torch import Tensor
 
 from muonkit.config import MuonConfig
 from muonkit.distributed.base import Strategy
-from muonkit.functional.muon import muon_directions
 
 
 class SingleDeviceStrategy(Strategy):
@@ -44,6 +41,10 @@ class SingleDeviceStrategy(Strategy):
                 size += params[i].numel()
         return chunks
 
-    def directions(self, params: list[Tensor], updates: list[Tensor], config: MuonConfig) -> list[Tensor]:
-        hook = functools.partial(self.count_batch, config=config)
-        return muon_directions(updates, [config.layout] * len(updates), config.ns_options, on_batch=hook)
+    def directions(
+        self, params: list[Tensor], updates: list[Tensor], config: MuonConfig, *, rows: list[Tensor] | None = None
+    ) -> list[Tensor]:
+        directions, new_rows = self.compute(updates, [config.layout] * len(updates), config, rows=rows)
+        for old, new in zip(rows or [], new_rows, strict=True):
+            old.copy_(new)
+        return directions

@@ -123,10 +123,13 @@ class ZeroStrategy(PlannedStrategy):
         (flat,) = params
         return layout_jobs(self.layout_of(flat), config.layout)
 
-    def directions(self, params: list[Tensor], updates: list[Tensor], config: MuonConfig) -> list[Tensor]:
+    def directions(
+        self, params: list[Tensor], updates: list[Tensor], config: MuonConfig, *, rows: list[Tensor] | None = None
+    ) -> list[Tensor]:
         out = []
-        for flat, update in zip(params, updates, strict=True):  # one exchange per partition
+        for k, (flat, update) in enumerate(zip(params, updates, strict=True)):  # one exchange per partition
             directions = torch.zeros_like(update)  # padding and gaps between params: zero
-            self.run(self.plan(flat, config), [update], [directions], config)
+            moments = None if rows is None else [rows[k]]  # every param of the layout's, in order
+            self.run(self.plan(flat, config), [update], [directions], config, rows=moments)
             out.append(directions)
         return out

@@ -4,7 +4,17 @@ from muonkit.functional.adamw import adamw_
 from muonkit.functional.coefficients import PRESETS, Preset, resolve_preset
 from muonkit.functional.lr_scaling import ADJUST_LR_CHOICES, lr_scale
 from muonkit.functional.matrices import MatrixBlock, MatrixLayout
-from muonkit.functional.muon import NSOptions, momentum_, muon_apply_, muon_directions, muon_momentum_, muon_update
+from muonkit.functional.muon import (
+    NSOptions,
+    cautious_decay_,
+    momentum_,
+    muon_apply_,
+    muon_directions,
+    muon_momentum_,
+    muon_update,
+    normuon_directions,
+)
+from muonkit.functional.normuon import normuon_normalize, normuon_rows
 from muonkit.functional.orthogonalize import default_compute_dtype, orthogonalization_flops, orthogonalize
 
 __all__ = [
@@ -15,6 +25,7 @@ __all__ = [
     "NSOptions",
     "Preset",
     "adamw_",
+    "cautious_decay_",
     "default_compute_dtype",
     "lr_scale",
     "momentum_",
@@ -22,6 +33,9 @@ __all__ = [
     "muon_directions",
     "muon_momentum_",
     "muon_update",
+    "normuon_directions",
+    "normuon_normalize",
+    "normuon_rows",
     "orthogonalization_flops",
     "orthogonalize",
     "resolve_preset",

@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from muonkit.functional.muon import cautious_decay_
+
 
 def adamw_(
     params: list[Tensor],
@@ -27,16 +29,23 @@ def adamw_(
     beta2: float,
     eps: float,
     weight_decay: float,
+    cautious_wd: bool = False,
 ) -> None:
-    """One AdamW step, in place on ``params`` and the states. ``grads`` are not modified."""
+    """One AdamW step, in place on ``params`` and the states. ``grads`` are not modified.
+
+    ``cautious_wd``: decay only where the step ``m_hat / (sqrt(v_hat) + eps)`` (the sign of the new
+    ``exp_avg``) and the param agree in sign (:func:`~muonkit.functional.muon.cautious_decay_`).
+    """
     if not params:
         return
     torch._foreach_add_(steps, 1)
     work = [p if p.dtype == m.dtype else p.to(m.dtype) for p, m in zip(params, exp_avgs, strict=True)]
     g32 = [g if g.dtype == m.dtype else g.to(m.dtype) for g, m in zip(grads, exp_avgs, strict=True)]
-    if weight_decay != 0:
+    if weight_decay != 0 and not cautious_wd:
         torch._foreach_mul_(work, 1.0 - lr * weight_decay)
     torch._foreach_lerp_(exp_avgs, g32, 1.0 - beta1)
+    if weight_decay != 0 and cautious_wd:  # the mask needs this step's exp_avg; the decay reads W before it
+        cautious_decay_(work, exp_avgs, lr=lr, weight_decay=weight_decay)
     torch._foreach_mul_(exp_avg_sqs, beta2)
     torch._foreach_addcmul_(exp_avg_sqs, g32, g32, 1.0 - beta2)
     # Per-param bias corrections as scalar lists (params added later have fewer steps), as in

@@ -20,6 +20,7 @@ Given the momentum updates ``U`` of whole parameter tensors, :func:`muon_directi
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -28,6 +29,7 @@ from torch import Tensor
 
 from muonkit.functional.lr_scaling import lr_scale
 from muonkit.functional.matrices import MatrixLayout
+from muonkit.functional.normuon import normuon_normalize, split_rows
 from muonkit.functional.orthogonalize import orthogonalize, orthogonalize_batches
 
 
@@ -109,6 +111,60 @@ def muon_directions(
     on_batch: BatchHook | None = None,
 ) -> list[Tensor]:
     """Scaled orthogonalized directions for whole tensors, same shapes and dtypes as ``updates``."""
+
+    def compute(batch: list[Tensor], rows: int, cols: int, members: list[tuple[int, int]]) -> Tensor:
+        del members
+        return options.orthogonalize_batches(batch, rows=rows, cols=cols)
+
+    return _by_shape(updates, layouts, compute, on_batch)
+
+
+def normuon_directions(
+    updates: Sequence[Tensor],
+    rows: Sequence[Tensor],
+    layouts: Sequence[MatrixLayout],
+    options: NSOptions,
+    *,
+    beta2: float,
+    eps: float,
+    on_batch: BatchHook | None = None,
+) -> tuple[list[Tensor], list[Tensor]]:
+    """NorMuon's directions and new row moments (:mod:`muonkit.functional.normuon`) for whole tensors.
+
+    ``rows[i]``: the row moments of ``updates[i]`` (:func:`~muonkit.functional.normuon.normuon_rows`
+    long), not modified. Each matrix is orthogonalized (same-shape matrices batched, as in
+    :func:`muon_directions`), normalized per row, then multiplied by the lr shape scale::
+
+        D = scale(rows, cols) * normuon_normalize(orthogonalize(U), v)
+    """
+    blocks = [split_rows(v, u.shape, layout) for v, u, layout in zip(rows, updates, layouts, strict=True)]
+    new_blocks = [list(b) for b in blocks]
+    plain = dataclasses.replace(options, adjust_lr=None)
+
+    def compute(batch: list[Tensor], r: int, c: int, members: list[tuple[int, int]]) -> Tensor:
+        out = plain.orthogonalize_batches(batch, rows=r, cols=c)
+        v = torch.cat([blocks[ti][bi] for ti, bi in members])
+        out, v_new = normuon_normalize(out, v, beta2=beta2, eps=eps)
+        for (ti, bi), chunk in zip(members, torch.split(v_new, [m.size(0) for m in batch]), strict=True):
+            new_blocks[ti][bi] = chunk
+        scale = lr_scale(options.adjust_lr, r, c)
+        return out if scale == 1.0 else out.mul_(scale)
+
+    directions = _by_shape(updates, layouts, compute, on_batch)
+    new_rows = [
+        v.clone() if not v.numel() else (b[0] if len(b) == 1 else torch.cat(b, dim=1)).reshape(-1).clone()
+        for v, b in zip(rows, new_blocks, strict=True)
+    ]
+    return directions, new_rows
+
+
+def _by_shape(
+    updates: Sequence[Tensor],
+    layouts: Sequence[MatrixLayout],
+    compute: Callable[[list[Tensor], int, int, list[tuple[int, int]]], Tensor],
+    on_batch: BatchHook | None,
+) -> list[Tensor]:
+    """``compute`` once per matrix shape on every matrix of that shape, results put back per tensor."""
     pieces: list[list[Tensor]] = [layout.to_matrices(u) for u, layout in zip(updates, layouts, strict=True)]
     by_shape: dict[tuple[int, int], list[tuple[int, int]]] = {}
     for ti, mats in enumerate(pieces):
@@ -123,21 +179,50 @@ def muon_directions(
             continue
         if on_batch is not None:
             on_batch(sum(m.size(0) for m in batch), rows, cols)
-        out = options.orthogonalize_batches(batch, rows=rows, cols=cols)
+        out = compute(batch, rows, cols, members)
         for (ti, bi), chunk in zip(members, torch.split(out, [m.size(0) for m in batch]), strict=True):
             results[ti][bi] = chunk
     return [layout.from_matrices(r, u.shape) for r, u, layout in zip(results, updates, layouts, strict=True)]
 
 
-def muon_apply_(params: Sequence[Tensor], directions: Sequence[Tensor], *, lr: float, weight_decay: float) -> None:
-    """``W <- W*(1 - lr*wd) - lr*D`` in place; low-precision params go through fp32."""
+def muon_apply_(
+    params: Sequence[Tensor],
+    directions: Sequence[Tensor],
+    *,
+    lr: float,
+    weight_decay: float,
+    cautious_wd: bool = False,
+) -> None:
+    """``W <- W*(1 - lr*wd) - lr*D`` in place; low-precision params go through fp32.
+
+    ``cautious_wd``: decay only where ``D`` and ``W`` agree in sign (:func:`cautious_decay_`).
+    """
     if not params:
         return
     work = [p if p.dtype in (torch.float32, torch.float64) else p.float() for p in params]
     dirs = [d if d.dtype == w.dtype else d.to(w.dtype) for d, w in zip(directions, work, strict=True)]
     if weight_decay != 0:
-        torch._foreach_mul_(work, 1.0 - lr * weight_decay)
+        if cautious_wd:
+            cautious_decay_(work, dirs, lr=lr, weight_decay=weight_decay)
+        else:
+            torch._foreach_mul_(work, 1.0 - lr * weight_decay)
     torch._foreach_add_(work, dirs, alpha=-lr)
     for p, w in zip(params, work, strict=True):
         if w is not p:
             p.copy_(w)
+
+
+def cautious_decay_(params: Sequence[Tensor], updates: Sequence[Tensor], *, lr: float, weight_decay: float) -> None:
+    """Cautious weight decay (Chen et al., arXiv 2510.12402), in place: ``W <- W*(1 - lr*wd)`` only where
+    ``u * W >= 0``.
+
+    ``u`` is the step the optimizer subtracts before the lr (``W <- W - lr*u``): Muon's scaled
+    direction, AdamW's ``m_hat / (sqrt(v_hat) + eps)`` (same sign as ``exp_avg``). Where ``u`` and
+    ``W`` have opposite signs the update already moves ``W`` toward zero and decay is skipped;
+    elsewhere (including zeros) the decay is the plain one, bit for bit. Signs are compared, not
+    the product, so no underflow changes the decision.
+    """
+    factor = 1.0 - lr * weight_decay
+    for w, u in zip(params, updates, strict=True):
+        same = torch.sign(u) * torch.sign(w) >= 0
+        w.copy_(torch.where(same, w * factor, w))

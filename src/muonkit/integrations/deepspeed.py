@@ -188,8 +188,10 @@ class _Unbound(Strategy):
         del params
         raise RuntimeError(_NOT_SET_UP)
 
-    def directions(self, params: list[Tensor], updates: list[Tensor], config: MuonConfig) -> list[Tensor]:
-        del params, updates, config
+    def directions(
+        self, params: list[Tensor], updates: list[Tensor], config: MuonConfig, *, rows: list[Tensor] | None = None
+    ) -> list[Tensor]:
+        del params, updates, config, rows
         raise RuntimeError(_NOT_SET_UP)
 
 

@@ -29,6 +29,10 @@ key                     default             meaning
 ``betas``               [0.9, 0.95]         AdamW betas
 ``adamw_eps``           1e-8                AdamW epsilon
 ``nonfinite``           "skip"              "skip", "raise" or "unchecked" (DeepSpeed checks first)
+``muon_algorithm``      "muon"              the hidden matrices' algorithm: "muon" or "normuon"
+``normuon_beta2``       0.95                NorMuon's row second-moment decay
+``normuon_eps``         1e-8                NorMuon's eps (its groups' eps, also for Newton-Schulz)
+``cautious_wd``         false               decay only where update and weight agree in sign
 ``split_qkv``           false               orthogonalize fused QKV projections as Q, K, V blocks
 ``rules``               []                  routing overrides: [[pattern, "muon"|"adamw"], ...]
 ======================  ==================  ====================================================
@@ -90,6 +94,10 @@ class MuonkitOptions:
     betas: tuple[float, float] = DEFAULTS.betas
     adamw_eps: float = DEFAULTS.adamw_eps
     nonfinite: str = DEFAULTS.nonfinite
+    normuon_beta2: float = DEFAULTS.normuon_beta2
+    normuon_eps: float = DEFAULTS.normuon_eps
+    cautious_wd: bool = DEFAULTS.cautious_wd
+    muon_algorithm: str = "muon"
     split_qkv: bool = False
     rules: Any = field(default_factory=list)
 
@@ -122,7 +130,7 @@ class MuonkitOptions:
     def param_groups_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of :func:`muonkit.param_groups`: the routing only (the hyperparameters
         are the optimizer's defaults, :meth:`optimizer_kwargs`)."""
-        return {"rules": self.rules or None, "split_qkv": self.split_qkv}
+        return {"rules": self.rules or None, "split_qkv": self.split_qkv, "muon_algorithm": self.muon_algorithm}
 
     def optimizer_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of :class:`muonkit.HybridMuon` (its defaults for every group)."""
@@ -142,6 +150,9 @@ class MuonkitOptions:
             "betas": self.betas,
             "adamw_eps": self.adamw_eps,
             "nonfinite": self.nonfinite,
+            "normuon_beta2": self.normuon_beta2,
+            "normuon_eps": self.normuon_eps,
+            "cautious_wd": self.cautious_wd,
         }
 
 

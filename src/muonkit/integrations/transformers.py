@@ -30,7 +30,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from muonkit.config import DEFAULTS, MUON_KEYS, check_group_keys
+from muonkit.config import DEFAULTS, MUON_KEYS, NORMUON_KEYS, check_group_keys
 from muonkit.distributed import world_size
 from muonkit.optimizer import HybridMuon
 from muonkit.param_groups import no_decay_on_vectors, param_groups
@@ -87,6 +87,8 @@ def make_optimizer(
     rules: Sequence[RuleLike] | Mapping[str, str] | None = None,
     split_qkv: bool = False,
     process_group: Any | None = None,
+    muon_algorithm: str = "muon",
+    cautious_wd: bool = DEFAULTS.cautious_wd,
     **muon_options: Any,
 ) -> HybridMuon:
     """A :class:`muonkit.HybridMuon` for ``model`` with the settings of ``args`` (``TrainingArguments``).
@@ -97,6 +99,9 @@ def make_optimizer(
       and none on biases and norm gains, as the Trainer's own optimizer does.
     - Muon groups: lr ``muon_lr``, the same weight decay, and any ``muon_options``
       (``adjust_lr``, ``ns_coefficients``, ``momentum``...; an unknown one is an error).
+      ``muon_algorithm="normuon"`` makes them NorMuon groups (``beta2`` and ``eps`` among
+      ``muon_options``, else HybridMuon's NorMuon defaults).
+    - ``cautious_wd``: cautious weight decay on every group (Muon, NorMuon and AdamW).
 
     Pass it as ``Trainer(..., optimizers=(make_optimizer(model, args), None))``.
 
@@ -110,7 +115,8 @@ def make_optimizer(
     :func:`muonkit.integrations.deepspeed.trainer_setup` instead.
     """
     _check_trainer_mode(args)
-    check_group_keys(muon_options, " among make_optimizer's Muon options", allowed=MUON_KEYS)
+    allowed = NORMUON_KEYS if muon_algorithm == "normuon" else MUON_KEYS
+    check_group_keys(muon_options, " among make_optimizer's Muon options", allowed=allowed)
     if process_group is None and world_size() > 1:
         process_group = torch.distributed.group.WORLD
     wd = weight_decay if weight_decay is not None else float(getattr(args, "weight_decay", DEFAULTS.weight_decay))
@@ -119,10 +125,12 @@ def make_optimizer(
     adamw: dict[str, Any] = {}
     if args is not None:
         adamw = {"betas": (float(args.adam_beta1), float(args.adam_beta2)), "adamw_eps": float(args.adam_epsilon)}
-    groups = param_groups(model, rules=rules, split_qkv=split_qkv, muon_options=muon_options)
+    groups = param_groups(
+        model, rules=rules, split_qkv=split_qkv, muon_algorithm=muon_algorithm, muon_options=muon_options
+    )
     return HybridMuon(
         no_decay_on_vectors(groups), lr=muon_lr, weight_decay=wd, adamw_lr=adamw_lr, adamw_weight_decay=wd,
-        process_group=process_group, **adamw,
+        process_group=process_group, cautious_wd=cautious_wd, **adamw,
     )  # fmt: skip
 
 
