@@ -369,6 +369,6 @@ def test_group_without_algorithm_containing_a_1d_tensor() -> None:
 
 def test_unknown_algorithm() -> None:
     with pytest.raises(
-        ValueError, match=r"^Invalid algorithm='sgd' in param group 0: must be one of \('muon', 'adamw'\)$"
+        ValueError, match=r"^Invalid algorithm='sgd' in param group 0: must be one of \('muon', 'normuon', 'adamw'\)$"
     ):
         muonkit.HybridMuon([{"params": [nn.Parameter(torch.randn(4, 4))], "algorithm": "sgd"}])

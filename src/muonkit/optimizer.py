@@ -433,8 +433,9 @@ class HybridMuon(Optimizer):
         local = self.strategy.local
         for p, buffer in zip(chunk.params, chunk.buffers, strict=True):
             self.state[p]["momentum_buffer"] = buffer
-        for p, rows in zip(chunk.params, chunk.rows or [], strict=True):
-            self.state[p][_ROWS] = rows
+        if chunk.rows is not None:
+            for p, rows in zip(chunk.params, chunk.rows, strict=True):
+                self.state[p][_ROWS] = rows
         grads = [local(cast(Tensor, p.grad)) for p in chunk.params]
         momentum_([local(b) for b in chunk.buffers], grads, momentum=config.momentum)
         muon_apply_(

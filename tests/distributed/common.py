@@ -50,7 +50,13 @@ GROUPS: dict[str, dict[str, Any]] = {
     "muon_t_split": {"algorithm": "muon", "layout": "transposed", "split_sizes": (4, 8)},
     "muon_fp32": {"algorithm": "muon", "ns_dtype": torch.float32, "nesterov": False},
     "adamw": {"algorithm": "adamw", "weight_decay": 0.1},
+    # NorMuon and cautious weight decay (NORMUON_ZOO)
+    "normuon": {"algorithm": "normuon", "weight_decay": 0.01, "cautious_wd": True},
+    "normuon_t_split": {"algorithm": "normuon", "layout": "transposed", "split_sizes": (4, 8), "beta2": 0.9},
+    "normuon_split": {"algorithm": "normuon", "split_sizes": (4, 8), "adjust_lr": "match_adamw", "ns_dtype": torch.float32},
+    "adamw_cautious": {"algorithm": "adamw", "weight_decay": 0.1, "cautious_wd": True},
 }
+MATRIX_ALGORITHMS = ("muon", "normuon")
 
 ZOO: list[ParamSpec] = [
     ParamSpec("muon", (16, 16)),
@@ -80,6 +86,23 @@ ZOO: list[ParamSpec] = [
     ParamSpec("adamw", (2, 3, 4)),
 ]
 
+NORMUON_ZOO: list[ParamSpec] = [
+    ParamSpec("normuon", (16, 16)),
+    ParamSpec("normuon", (16, 16)),
+    ParamSpec("normuon", (8, 24)),
+    ParamSpec("normuon", (7, 5)),  # rows and columns that do not divide by 2
+    ParamSpec("normuon", (1, 6)),  # all rows on one rank
+    ParamSpec("normuon", (3, 6, 4)),  # experts: statistics per expert
+    ParamSpec("normuon", (4, 2, 3, 3)),  # conv, flattened to (4, 18)
+    ParamSpec("normuon", (8, 8), skip_steps=(1,)),
+    ParamSpec("normuon", (12, 8), dtype=torch.bfloat16),
+    ParamSpec("normuon_t_split", (6, 12)),  # transposed, split: rows are storage columns
+    ParamSpec("normuon_split", (12, 6)),  # fused QKV: statistics per block
+    ParamSpec("normuon_split", (3, 12, 4)),
+    ParamSpec("adamw_cautious", (7,)),
+    ParamSpec("adamw_cautious", (10, 4)),
+]
+
 
 def initial(i: int, spec: ParamSpec) -> Tensor:
     g = torch.Generator().manual_seed(10_000 + i)
@@ -107,7 +130,7 @@ def matrix_count(zoo: Sequence[ParamSpec], step: int) -> int:
     total = 0
     for spec in zoo:
         options = GROUPS[spec.group]
-        if options["algorithm"] != "muon" or step in spec.skip_steps:
+        if options["algorithm"] not in MATRIX_ALGORITHMS or step in spec.skip_steps:
             continue
         layout = MatrixLayout(options.get("layout", "auto"), options.get("split_sizes"))
         total += sum(b.count for b in layout.blocks(spec.shape))
@@ -120,11 +143,11 @@ def mesh() -> Any:
     return init_device_mesh("cpu", (dist.get_world_size(),))
 
 
-def shard(t: Tensor, device_mesh: Any) -> Tensor:
-    """The DTensor Shard(0) of a tensor every rank holds whole (no communication)."""
+def shard(t: Tensor, device_mesh: Any, placements: Sequence[Any] | None = None) -> Tensor:
+    """The DTensor Shard(0) (or ``placements``) of a tensor every rank holds whole (no communication)."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    return distribute_tensor(t, device_mesh, [Shard(0)], src_data_rank=None)
+    return distribute_tensor(t, device_mesh, placements or [Shard(0)], src_data_rank=None)
 
 
 def full(t: Tensor) -> Tensor:
@@ -133,12 +156,17 @@ def full(t: Tensor) -> Tensor:
 
 
 def build(layout: str, zoo: Sequence[ParamSpec], **kwargs: Any) -> tuple[list[nn.Parameter], muonkit.HybridMuon]:
-    """Params and optimizer: 'single' (no communication), 'ddp' (replicated) or 'fsdp' (DTensor)."""
-    device_mesh = mesh() if layout == "fsdp" else None
+    """Params and optimizer: 'single' (no communication), 'ddp' (replicated), 'fsdp' (DTensor
+    ``Shard(0)``) or 'columns' (DTensor ``Shard(1)`` where the tensor has columns: every row cut
+    across ranks, as tensor parallelism's row-wise layout does)."""
+    from torch.distributed.tensor import Shard
+
+    device_mesh = mesh() if layout in ("fsdp", "columns") else None
     params = []
     for i, spec in enumerate(zoo):
         t = initial(i, spec)
-        params.append(nn.Parameter(shard(t, device_mesh) if device_mesh is not None else t))
+        placements = [Shard(1 if layout == "columns" and t.ndim >= 2 else 0)]
+        params.append(nn.Parameter(shard(t, device_mesh, placements) if device_mesh is not None else t))
     if layout == "single":
         kwargs.setdefault("strategy", muonkit.distributed.SingleDeviceStrategy())
     elif layout == "ddp":
@@ -152,7 +180,7 @@ def set_grads(params: Sequence[nn.Parameter], zoo: Sequence[ParamSpec], step: in
         if g is None:
             p.grad = None
         elif hasattr(p, "device_mesh"):
-            p.grad = shard(g, p.device_mesh)
+            p.grad = shard(g, p.device_mesh, p.placements)
         else:
             p.grad = g
 
@@ -164,7 +192,7 @@ STORAGE_REL_TOL = {torch.bfloat16: 0.1}  # by param dtype
 def muon_tolerance(spec: ParamSpec) -> float | None:
     """Relative tolerance of a param against the control (None: must be bit-identical)."""
     options = GROUPS[spec.group]
-    if options["algorithm"] != "muon":
+    if options["algorithm"] not in MATRIX_ALGORITHMS:
         return None
     ns_dtype = options.get("ns_dtype") or default_compute_dtype("cpu")  # forced by the harness, not the CPU
     return max(MUON_REL_TOL[ns_dtype], STORAGE_REL_TOL.get(spec.dtype, 0.0))
@@ -200,7 +228,9 @@ def differences(
         problems += [] if why is None else [f"param {i} param: {why}"]
         for key, value in ref_opt.state[r].items():
             mine = opt.state[p].get(key)
-            why = mismatch(full(mine) if isinstance(mine, Tensor) else mine, value)
+            # NorMuon's row moments come from the orthogonalized matrices: batched products' tolerance
+            start, tol = (torch.zeros_like(value), muon_tolerance(spec)) if key == "row_exp_avg_sq" else (None, None)
+            why = mismatch(full(mine) if isinstance(mine, Tensor) else mine, value, initial=start, tol=tol)
             problems += [] if why is None else [f"param {i} {key}: {why}"]
     return problems
 

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from common import (
+    NORMUON_ZOO,
     ZOO,
     ParamSpec,
     all_sum,
@@ -93,6 +94,29 @@ def fsdp2_matches_single_device(ctx: Context) -> None:
     assert not problems, "\n".join(problems)
     expected = [matrix_count(ZOO, s) for s in range(STEPS)]  # a skipped step computes, then discards
     assert counted == expected, f"matrices orthogonalized per step over all ranks {counted}, expected {expected}"
+
+
+@check(2, both_ns_defaults=True)
+def normuon_and_cautious_wd_match_single_device(ctx: Context) -> None:
+    """NorMuon and cautious weight decay under DDP, FSDP2 ``Shard(0)`` (rows split across ranks) and
+    ``Shard(1)`` (every row cut across ranks): params, momentum and the row moments (replicated on
+    every rank) equal one device's, each matrix orthogonalized and normalized once."""
+    problems = []
+    for layout in ("ddp", "fsdp", "columns"):
+        params, opt = build(layout, NORMUON_ZOO)
+        ref_params, ref_opt = build("single", NORMUON_ZOO)
+        if layout == "columns":  # not vacuous: a rank holds half of every row
+            assert tuple(params[0].to_local().shape) == (16, 8), params[0].to_local().shape
+        for step in range(STEPS):
+            set_grads(params, NORMUON_ZOO, step)
+            set_grads(ref_params, NORMUON_ZOO, step)
+            opt.step()
+            ref_opt.step()
+        problems += [f"{layout}: {d}" for d in differences(params, opt, ref_params, ref_opt, NORMUON_ZOO)]
+        problems += rank_differences(params) if layout == "ddp" else []
+        done, expected = all_sum(opt.strategy.stats.matrices), ref_opt.strategy.stats.matrices
+        problems += [] if done == expected else [f"{layout}: {done} orthogonalizations over all ranks, one device {expected}"]
+    assert not problems, "\n".join(problems)
 
 
 def _poison_directions(opt: muonkit.HybridMuon) -> None:
