@@ -75,12 +75,16 @@ GROUP_VALUES: dict[str, st.SearchStrategy[Any]] = {
     "ns_dtype": _or_anything(st.sampled_from([None, torch.float32, torch.float64, torch.float16, torch.int32])),
     "ns_method": _or_anything(st.sampled_from(["gram", "newton_schulz", "svd"])),
     "betas": _pair(unit),
-    "algorithm": st.sampled_from(["muon", "muon", "adamw", None, "sgd", 3]),
+    "beta2": _or_anything(unit),
+    "cautious_wd": _or_anything(st.booleans()),
+    "algorithm": st.sampled_from(["muon", "muon", "adamw", None, "sgd", 3, "normuon"]),
 }
 UNKNOWN_KEYS = ["ns_step", "adjust_lr_fn", "momentun", "foreach", "maximize", "beta1", "color", "LR"]
 KNOWN = {"params", "param_names", "algorithm", *GROUP_VALUES}
 CONSTRUCTOR_VALUES = {
-    **{k: v for k, v in GROUP_VALUES.items() if k not in ("algorithm", "layout", "split_sizes")},
+    **{k: v for k, v in GROUP_VALUES.items() if k not in ("algorithm", "layout", "split_sizes", "beta2")},
+    "normuon_beta2": _or_anything(unit),
+    "normuon_eps": _or_anything(st.floats(1e-12, 1e-3)),
     "adamw_lr": _or_anything(small),
     "adamw_eps": _or_anything(st.floats(1e-12, 1e-3)),
     "adamw_weight_decay": _or_anything(small),
@@ -115,7 +119,11 @@ def _check_stored(group: dict[str, Any]) -> None:
     assert set(group) <= KNOWN, set(group) - KNOWN
     lr, eps, wd = _real(group["lr"]), _real(group["eps"]), _real(group["weight_decay"])
     assert math.isfinite(lr) and lr >= 0 and math.isfinite(eps) and eps > 0 and math.isfinite(wd) and wd >= 0
-    if group["algorithm"] == "muon":
+    assert type(group["cautious_wd"]) is bool
+    assert ("beta2" in group) == (group["algorithm"] == "normuon")
+    if group["algorithm"] == "normuon":
+        assert 0 <= _real(group["beta2"]) < 1
+    if group["algorithm"] in ("muon", "normuon"):
         assert 0 <= _real(group["momentum"]) < 1 and type(group["nesterov"]) is bool
         steps = group["ns_steps"]
         assert steps is None or (type(steps) is int and 1 <= steps <= 100)

@@ -158,8 +158,11 @@ def test_bad_numbers_of_any_type_are_refused(key: str, value: Any, message: str)
 
 # ---------------------------------------------------------------------------- unknown keys
 
-MUON_LIST = "('lr', 'momentum', 'nesterov', 'ns_coefficients', 'ns_steps', 'eps', 'weight_decay', 'adjust_lr', 'layout', 'split_sizes', 'ns_dtype', 'ns_method')"
-ALLOWED = f": Muon groups take {MUON_LIST}, AdamW groups ('lr', 'betas', 'eps', 'weight_decay')"
+MUON_LIST = "('lr', 'momentum', 'nesterov', 'ns_coefficients', 'ns_steps', 'eps', 'weight_decay', 'adjust_lr', 'layout', 'split_sizes', 'ns_dtype', 'ns_method', 'cautious_wd')"
+ALLOWED = (
+    f": Muon groups take {MUON_LIST}, NorMuon groups also 'beta2', "
+    "AdamW groups ('lr', 'betas', 'eps', 'weight_decay', 'cautious_wd')"
+)
 UNKNOWN: list[tuple[str, Any, str]] = [
     ("ns_step", 3, " (did you mean 'ns_steps'?)"),
     ("adjust_lr_fn", "original", " (did you mean 'adjust_lr'?)"),

@@ -795,7 +795,7 @@ def _check_param_state(
             continue
         count = rows(p) if key == _ROWS and rows is not None else None
         want = tuple(p.shape) if key != _ROWS else (count,) if count is not None else None
-        if not isinstance(value, Tensor) or (tuple(value.shape) != want if want else value.ndim != 1):
+        if not isinstance(value, Tensor) or (tuple(value.shape) != want if want is not None else value.ndim != 1):
             shape = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
             what = f"needs {want} (one value per matrix row)" if key == _ROWS else f"has {tuple(p.shape)}"
             raise ValueError(f"Saved {key} of param {index} (group {group}) has shape {shape}, the param {what}")

@@ -45,7 +45,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from muonkit.config import ALGORITHMS
 from muonkit.functional.matrices import LAYOUT_KINDS
 from muonkit.shapes import full_shape
 
@@ -53,6 +52,8 @@ _HEAD_NAMES = {"lm_head", "head", "classifier", "score", "qa_outputs", "output",
 _ROUTER_NAMES = {"gate", "router"}
 _FUSED_QKV_NAMES = {"c_attn", "qkv", "qkv_proj", "wqkv", "query_key_value", "in_proj"}
 STATE_BYTES = {"muon": 4, "adamw": 8}
+ROUTED: tuple[str, ...] = ("muon", "adamw")
+"""What a rule routes to; the matrices' variant (``"normuon"``) is ``param_groups(muon_algorithm=...)``'s."""
 """Optimizer-state bytes per parameter: one fp32 momentum for Muon, two fp32 moments for AdamW."""
 
 
@@ -67,10 +68,8 @@ class Rule:
     reason: str = ""
 
     def __post_init__(self) -> None:
-        if self.algorithm not in ALGORITHMS:
-            raise ValueError(
-                f"Invalid algorithm={self.algorithm!r} in rule {self.pattern!r}: must be one of {ALGORITHMS}"
-            )
+        if self.algorithm not in ROUTED:
+            raise ValueError(f"Invalid algorithm={self.algorithm!r} in rule {self.pattern!r}: must be one of {ROUTED}")
         if self.layout not in LAYOUT_KINDS:
             raise ValueError(f"Invalid layout={self.layout!r} in rule {self.pattern!r}: must be one of {LAYOUT_KINDS}")
         try:

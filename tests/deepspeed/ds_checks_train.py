@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from ds_common import (
+    NORMUON_OPTIONS,
     OPTIONS,
     Net,
     config,
@@ -76,17 +77,20 @@ def _equivalent(
     zero: dict[str, Any] | None = None,
     read_module: bool = False,
     steps: int | None = None,
+    normuon: bool = False,
     **kw: Any,
 ) -> Any:
     steps = steps or (1 if bf16 else STEPS)
     cfg = config(stage, bf16=bf16, fp32_accumulation=fp32_accumulation)
     cfg["zero_optimization"].update(zero or {})
+    if normuon:
+        cfg["optimizer"]["params"].update(NORMUON_OPTIONS)
     engine, init = _initialize(cfg, **kw)
     if bf16:  # DeepSpeed's fp32 master weights start from the bf16 model
         init = {n: t.to(torch.bfloat16).float() for n, t in init.items()}
     strategy = engine.optimizer.optimizer.strategy
     norms = train(engine, steps)
-    want, want_norms = reference(init, steps, world=dist.get_world_size(), bf16=bf16)
+    want, want_norms = reference(init, steps, world=dist.get_world_size(), bf16=bf16, normuon=normuon)
     for got, expected in zip(norms, want_norms, strict=True):  # DeepSpeed clips by the raw accumulated norm
         assert abs(got - expected) <= norm_tol * expected, f"grad norm {got} vs raw {expected}"
     # read_module: at fp32 ZeRO-1/2 the module holds the gathered fp32 weights themselves
@@ -111,7 +115,7 @@ def _equivalent(
 def _assert_split_matrix(engine: Any) -> None:
     strategy = engine.optimizer.optimizer.strategy
     hybrid = engine.optimizer.optimizer
-    muon = [g for g in hybrid.param_groups if g["algorithm"] == "muon"]
+    muon = [g for g in hybrid.param_groups if g["algorithm"] in ("muon", "normuon")]
     flat = muon[0]["params"][0] if muon[0]["params"] else strategy.partitions[-1]
     layout = strategy.layout_of(flat)
     assert any(len(p.pieces) > 1 for p in layout.params), "the test model must have a matrix cut by a partition"
@@ -132,6 +136,25 @@ def zero2_fp32_matches_single_device(ctx: Context) -> None:
 @check
 def zero3_fp32_matches_single_device(ctx: Context) -> None:
     _equivalent(3, bf16=False, fp32_accumulation=False, tol=1e-4, norm_tol=1e-5)
+
+
+@check
+def zero1_and_zero3_normuon_cautious_wd_match_single_device(ctx: Context) -> None:
+    """NorMuon (row moments of a matrix a partition boundary cuts, ZeRO-1; of every matrix, ZeRO-3)
+    and cautious weight decay from the DeepSpeed config's muonkit params equal one device's."""
+    for stage in (1, 3):
+        engine = _equivalent(stage, bf16=False, fp32_accumulation=False, tol=1e-4, norm_tol=1e-5, normuon=True)
+        hybrid = engine.optimizer.optimizer
+        algorithms = {(g["algorithm"], g["cautious_wd"]) for g in hybrid.param_groups}
+        assert algorithms == {("normuon", True), ("adamw", True)}, algorithms
+        assert all(
+            "row_exp_avg_sq" in hybrid.state[p]
+            for g in hybrid.param_groups
+            if g["algorithm"] == "normuon"
+            for p in g["params"]
+        )
+        if stage == 1:
+            _assert_split_matrix(engine)
 
 
 @check

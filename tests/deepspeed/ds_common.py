@@ -25,6 +25,8 @@ MICRO = 4  # sequences per micro-batch and rank
 SEQ = 8
 VOCAB = 64
 OPTIONS = {"lr": 0.02, "adamw_lr": 3e-3, "weight_decay": 0.01, "adamw_weight_decay": 0.01, "ns_dtype": "float64"}
+NORMUON_OPTIONS = {"muon_algorithm": "normuon", "cautious_wd": True, "normuon_beta2": 0.9}
+"""Added to :data:`OPTIONS` (the DeepSpeed config's muonkit params) by the NorMuon checks."""
 
 
 class Block(nn.Module):
@@ -92,13 +94,18 @@ def train(engine: Any, steps: int, start: int = 0) -> list[float]:
     return norms
 
 
-def reference(init: dict[str, Tensor], steps: int, *, world: int, bf16: bool) -> tuple[nn.Module, list[float]]:
-    """Single-device HybridMuon on the same micro-batches; returns the fp32 model and raw gradient norms."""
+def reference(
+    init: dict[str, Tensor], steps: int, *, world: int, bf16: bool, normuon: bool = False
+) -> tuple[nn.Module, list[float]]:
+    """Single-device HybridMuon on the same micro-batches; returns the fp32 model and raw gradient norms.
+
+    ``normuon``: NorMuon on the matrices and cautious weight decay everywhere (:data:`NORMUON_OPTIONS`)."""
     master = Net()
     master.load_state_dict(init)
     options = {k: v for k, v in OPTIONS.items() if k != "ns_dtype"}
+    groups = muonkit.param_groups(master, **options, muon_algorithm="normuon" if normuon else "muon")
     opt = muonkit.HybridMuon(
-        muonkit.param_groups(master, **options), ns_dtype=torch.float64, strategy=SingleDeviceStrategy()
+        groups, ns_dtype=torch.float64, strategy=SingleDeviceStrategy(), cautious_wd=normuon, normuon_beta2=0.9
     )
     work = copy.deepcopy(master).to(torch.bfloat16) if bf16 else master
     norms = []

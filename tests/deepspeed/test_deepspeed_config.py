@@ -28,7 +28,8 @@ def test_split_moves_the_section_out_and_allows_the_client_optimizer() -> None:
     assert options is not None
     kwargs = options.optimizer_kwargs()
     assert kwargs["lr"] == 0.01 and kwargs["adamw_lr"] == 1e-3 and kwargs["ns_dtype"] == torch.float32
-    assert options.param_groups_kwargs() == {"rules": None, "split_qkv": False}  # hyperparameters: the optimizer's
+    routing = {"rules": None, "split_qkv": False, "muon_algorithm": "muon"}
+    assert options.param_groups_kwargs() == routing  # hyperparameters: the optimizer's
 
 
 def test_every_documented_key_is_accepted_and_reaches_the_optimizer() -> None:
@@ -36,15 +37,17 @@ def test_every_documented_key_is_accepted_and_reaches_the_optimizer() -> None:
         "lr": 0.03, "weight_decay": 0.1, "momentum": 0.9, "nesterov": False, "ns_coefficients": "keller",
         "ns_steps": 4, "ns_method": "gram", "ns_dtype": "bfloat16", "eps": 1e-6, "adjust_lr": "match_adamw",
         "adamw_lr": 2e-4, "adamw_weight_decay": 0.01, "betas": [0.8, 0.9], "adamw_eps": 1e-7,
-        "nonfinite": "raise", "split_qkv": True, "rules": [["head", "adamw"]],
+        "nonfinite": "raise", "split_qkv": True, "rules": [["head", "adamw"]], "muon_algorithm": "normuon",
+        "normuon_beta2": 0.9, "normuon_eps": 1e-9, "cautious_wd": True,
     }  # fmt: skip
     options = MuonkitOptions.from_params(params)
     model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 2))
     import muonkit
 
     opt = muonkit.HybridMuon(muonkit.param_groups(model, **options.param_groups_kwargs()), **options.optimizer_kwargs())
-    muon = next(g for g in opt.param_groups if g["algorithm"] == "muon")
+    muon = next(g for g in opt.param_groups if g["algorithm"] == "normuon")
     assert (muon["lr"], muon["momentum"], muon["ns_steps"], muon["ns_method"]) == (0.03, 0.9, 4, "gram")
+    assert (muon["beta2"], muon["eps"], muon["cautious_wd"]) == (0.9, 1e-9, True)
     assert opt.nonfinite == "raise"
 
 

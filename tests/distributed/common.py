@@ -53,7 +53,12 @@ GROUPS: dict[str, dict[str, Any]] = {
     # NorMuon and cautious weight decay (NORMUON_ZOO)
     "normuon": {"algorithm": "normuon", "weight_decay": 0.01, "cautious_wd": True},
     "normuon_t_split": {"algorithm": "normuon", "layout": "transposed", "split_sizes": (4, 8), "beta2": 0.9},
-    "normuon_split": {"algorithm": "normuon", "split_sizes": (4, 8), "adjust_lr": "match_adamw", "ns_dtype": torch.float32},
+    "normuon_split": {
+        "algorithm": "normuon",
+        "split_sizes": (4, 8),
+        "adjust_lr": "match_adamw",
+        "ns_dtype": torch.float32,
+    },
     "adamw_cautious": {"algorithm": "adamw", "weight_decay": 0.1, "cautious_wd": True},
 }
 MATRIX_ALGORITHMS = ("muon", "normuon")

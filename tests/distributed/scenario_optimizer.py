@@ -115,7 +115,9 @@ def normuon_and_cautious_wd_match_single_device(ctx: Context) -> None:
         problems += [f"{layout}: {d}" for d in differences(params, opt, ref_params, ref_opt, NORMUON_ZOO)]
         problems += rank_differences(params) if layout == "ddp" else []
         done, expected = all_sum(opt.strategy.stats.matrices), ref_opt.strategy.stats.matrices
-        problems += [] if done == expected else [f"{layout}: {done} orthogonalizations over all ranks, one device {expected}"]
+        problems += (
+            [] if done == expected else [f"{layout}: {done} orthogonalizations over all ranks, one device {expected}"]
+        )
     assert not problems, "\n".join(problems)
 
 
