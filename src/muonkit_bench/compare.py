@@ -17,7 +17,7 @@ Example::
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -88,8 +88,15 @@ def compare(adamw: RunResult, muon: RunResult) -> Comparison:
     )
 
 
-def format_table(results: dict[str, RunResult], comparison: Comparison) -> str:
-    """The report printed by ``muonkit bench nanogpt``: one row per optimizer, ratios below."""
+def format_table(
+    results: dict[str, RunResult], comparison: Comparison, *, comparisons: Mapping[str, Comparison] | None = None
+) -> str:
+    """The report printed by ``muonkit bench nanogpt``: one row per optimizer, ratios below.
+
+    ``comparisons``: each non-AdamW run's comparison with AdamW, by name (default: ``comparison``
+    for every non-AdamW run)."""
+    if comparisons is None:
+        comparisons = {name: comparison for name, r in results.items() if r.config.optimizer != "adamw"}
     header = (
         "optimizer",
         "final val",
@@ -102,8 +109,8 @@ def format_table(results: dict[str, RunResult], comparison: Comparison) -> str:
     )
     rows = [header]
     for name, r in results.items():
-        if r.config.optimizer == "muon":
-            s, t = comparison.muon_steps_to_adamw_loss, comparison.muon_tokens_to_adamw_loss
+        if name in comparisons:
+            s, t = comparisons[name].muon_steps_to_adamw_loss, comparisons[name].muon_tokens_to_adamw_loss
             reach = ("not reached", "not reached") if s is None or t is None else (f"{s:,.0f}", f"{t / 1e6:.2f}M")
         else:
             reach = (f"{len(r.train_loss):,}", f"{len(r.train_loss) * r.config.tokens_per_step / 1e6:.2f}M")
@@ -118,12 +125,14 @@ def format_table(results: dict[str, RunResult], comparison: Comparison) -> str:
     ]
     lines.insert(1, "-" * len(lines[0]))
     lines.append("")
-    lines += _ratios(results, comparison)
+    for name, c in comparisons.items():
+        lines += _ratios(results, c, name)
     return "\n".join(lines)
 
 
-def _ratios(results: dict[str, RunResult], comparison: Comparison) -> list[str]:
-    adamw, muon = (next(r for r in results.values() if r.config.optimizer == o) for o in ("adamw", "muon"))
+def _ratios(results: dict[str, RunResult], comparison: Comparison, name: str = "HybridMuon") -> list[str]:
+    adamw = next(r for r in results.values() if r.config.optimizer == "adamw")
+    muon = results[name]
     ratio = comparison.token_ratio
     reach = (
         "did not reach AdamW's final val loss"
@@ -131,11 +140,11 @@ def _ratios(results: dict[str, RunResult], comparison: Comparison) -> list[str]:
         else f"reached AdamW's final val loss with {ratio:.2f}x fewer tokens"
     )
     return [
-        f"HybridMuon {reach} (one seed; interpolated between evaluations every {muon.config.eval_interval} steps)",
-        f"final val loss: HybridMuon - AdamW = {comparison.muon_final_val_loss - comparison.adamw_final_val_loss:+.4f}",
-        f"wall time: HybridMuon / AdamW = {muon.wall_time_s / adamw.wall_time_s:.2f}x; "
+        f"{name} {reach} (one seed; interpolated between evaluations every {muon.config.eval_interval} steps)",
+        f"final val loss: {name} - AdamW = {comparison.muon_final_val_loss - comparison.adamw_final_val_loss:+.4f}",
+        f"wall time: {name} / AdamW = {muon.wall_time_s / adamw.wall_time_s:.2f}x; "
         f"optimizer step: {muon.optimizer_step_ms / adamw.optimizer_step_ms:.2f}x",
-        f"optimizer state: HybridMuon / AdamW = {muon.optimizer_state_bytes / max(adamw.optimizer_state_bytes, 1):.2f}x "
+        f"optimizer state: {name} / AdamW = {muon.optimizer_state_bytes / max(adamw.optimizer_state_bytes, 1):.2f}x "
         f"(Muon fraction f = {muon.muon_params / max(muon.num_params, 1):.3f})",
     ]
 

@@ -41,8 +41,10 @@ PRESETS: dict[str, dict[str, Any]] = {
 _MODEL_FLAGS = ("block_size", "n_layer", "n_head", "n_embd")
 _RUN_FLAGS = (
     "steps", "batch_size", "eval_interval", "eval_batches", "lr", "adamw_lr", "weight_decay",
-    "adamw_weight_decay", "warmup_frac", "decay_frac", "grad_clip", "seed", "threads", "device",
+    "adamw_weight_decay", "warmup_frac", "decay_frac", "grad_clip", "seed", "threads", "device", "normuon_lr",
 )  # fmt: skip
+NAMES = {"adamw": "AdamW", "muon": "HybridMuon", "normuon": "NorMuon"}
+"""Each ``--optimizers`` choice and its name in the table and the JSON."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -54,7 +56,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for name in (*_MODEL_FLAGS, "steps", "batch_size", "eval_interval", "eval_batches"):
         sizes.add_argument("--" + name.replace("_", "-"), type=int)
     hyper = parser.add_argument_group("hyperparameters (default: muonkit_bench.train.RunConfig's)")
+    parser.add_argument(
+        "--optimizers",
+        nargs="+",
+        choices=sorted(NAMES),
+        default=["adamw", "muon"],
+        help="what to train (default: adamw muon); adamw is the baseline every other run is compared with",
+    )
     hyper.add_argument("--lr", type=float, help="Muon lr (Keller shape scaling)")
+    hyper.add_argument("--normuon-lr", type=float, help="NorMuon lr (Keller shape scaling; --optimizers normuon)")
     hyper.add_argument("--adamw-lr", type=float, help="AdamW lr: the baseline and HybridMuon's AdamW groups")
     hyper.add_argument("--weight-decay", type=float, help="Muon weight decay")
     hyper.add_argument("--adamw-weight-decay", type=float, help="AdamW weight decay (2D tensors only)")
@@ -89,7 +99,7 @@ def build_configs(args: argparse.Namespace) -> tuple[dict[str, Any], Any]:
     preset = PRESETS[args.preset]
     corpus = {"vocab_size": args.vocab_size or preset["vocab_size"], "cache_dir": args.cache_dir}
     model = {**preset["model"], **{k: getattr(args, k) for k in _MODEL_FLAGS if getattr(args, k) is not None}}
-    run = {**preset["run"], **{k: getattr(args, k) for k in _RUN_FLAGS if getattr(args, k) is not None}}
+    run = {**preset["run"], **{k: getattr(args, k) for k in _RUN_FLAGS if getattr(args, k, None) is not None}}
     if args.split_qkv:
         run["split_qkv"] = True
     run["autocast"] = autocast_choice(args)
@@ -126,6 +136,9 @@ def main(args: argparse.Namespace) -> int:
     from muonkit_bench.data import load_corpus
     from muonkit_bench.train import RunResult, train
 
+    chosen = list(dict.fromkeys(getattr(args, "optimizers", None) or ["adamw", "muon"]))
+    if "adamw" not in chosen or len(chosen) < 2:
+        raise ValueError(f"Invalid --optimizers {' '.join(chosen)}: give adamw (the baseline) and at least one other")
     corpus_kwargs, base = build_configs(args)
     t0 = time.perf_counter()
     corpus = load_corpus(**corpus_kwargs)
@@ -136,15 +149,18 @@ def main(args: argparse.Namespace) -> int:
         f"{len(corpus.train):,}", f"{len(corpus.val):,}", len(corpus.meta["val_plays"]), data_s, base.model,
     )  # fmt: skip
     results: dict[str, RunResult] = {}
-    for name, optimizer in (("AdamW", "adamw"), ("HybridMuon", "muon")):
-        results[name] = train(dataclasses.replace(base, optimizer=optimizer), corpus, progress=not args.no_progress)
-    comparison = compare(results["AdamW"], results["HybridMuon"])
-    print(format_table(results, comparison))
+    for optimizer in ["adamw", *[o for o in chosen if o != "adamw"]]:
+        config = dataclasses.replace(base, optimizer=optimizer)
+        results[NAMES[optimizer]] = train(config, corpus, progress=not args.no_progress)
+    comparisons = {name: compare(results["AdamW"], r) for name, r in results.items() if name != "AdamW"}
+    comparison = next(iter(comparisons.values()))  # HybridMuon's when it ran
+    print(format_table(results, comparison, comparisons=comparisons))
     first = next(iter(results.values()))
     print(autocast_note(first.config.autocast, first.autocast))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     report = {"preset": args.preset, **_report(results, comparison, corpus.meta, data_s)}
+    report["comparisons"] = {name: c.to_dict() for name, c in comparisons.items()}
     (out / "nanogpt.json").write_text(json.dumps(_finite(report), indent=2))
     if not args.no_plot:
         plot_curves(results, comparison, out / "nanogpt.png")

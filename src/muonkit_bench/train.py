@@ -59,8 +59,8 @@ __all__ = [
     "train",
 ]
 
-OptimizerName = Literal["adamw", "muon"]
-OPTIMIZERS: tuple[str, ...] = ("adamw", "muon")
+OptimizerName = Literal["adamw", "muon", "normuon"]
+OPTIMIZERS: tuple[str, ...] = ("adamw", "muon", "normuon")
 Batch = tuple[Tensor, Tensor]
 
 
@@ -85,8 +85,12 @@ class RunConfig:
 
     Args:
         model: the GPT's shape (``vocab_size`` must match the data).
-        optimizer: ``"adamw"`` (torch.optim.AdamW everywhere) or ``"muon"`` (HybridMuon).
-        lr: Muon lr (Keller scaling ``sqrt(max(1, rows/cols))``); unused by ``"adamw"``.
+        optimizer: ``"adamw"`` (torch.optim.AdamW everywhere), ``"muon"`` (HybridMuon) or
+            ``"normuon"`` (HybridMuon with NorMuon groups for the matrices, ``algorithm="normuon"``).
+        lr: Muon lr (Keller scaling ``sqrt(max(1, rows/cols))``); used by ``"muon"`` only.
+        normuon_lr: NorMuon's lr (Keller scaling, muonkit's NorMuon defaults ``beta2=0.95``,
+            ``eps=1e-8``); 0.03 was the best of {0.01, 0.02, 0.03, 0.04, 0.06} on the tiny preset
+            over seeds 0-1 (BENCHMARKS.md), next to Muon's 0.02.
         adamw_lr: the AdamW baseline's lr, and the lr of HybridMuon's AdamW groups.
         weight_decay: Muon groups' decoupled weight decay (muonkit's default 0).
         adamw_weight_decay: AdamW weight decay on 2D tensors (never on norms and biases).
@@ -108,6 +112,7 @@ class RunConfig:
     model: GPTConfig = field(default_factory=GPTConfig)
     optimizer: OptimizerName = "muon"
     lr: float = 0.02
+    normuon_lr: float = 0.03
     adamw_lr: float = 1e-3
     weight_decay: float = 0.0
     adamw_weight_decay: float = 0.1
@@ -136,7 +141,7 @@ class RunConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"Invalid {name}={value!r}: must be a positive int")
-        for name in ("lr", "adamw_lr"):
+        for name in ("lr", "normuon_lr", "adamw_lr"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"Invalid {name}={getattr(self, name)!r}: must be > 0")
         for name in ("warmup_frac", "decay_frac"):
@@ -253,7 +258,8 @@ def build_optimizer(model: nn.Module, config: RunConfig) -> torch.optim.Optimize
     muon = {"momentum": config.momentum, "ns_coefficients": config.ns_coefficients, "adjust_lr": config.adjust_lr}
     routed = param_groups(
         model,
-        lr=config.lr,
+        lr=config.normuon_lr if config.optimizer == "normuon" else config.lr,
+        muon_algorithm="normuon" if config.optimizer == "normuon" else "muon",
         adamw_lr=config.adamw_lr,
         weight_decay=config.weight_decay,
         adamw_weight_decay=config.adamw_weight_decay,
@@ -345,7 +351,7 @@ def train(
     result = RunResult(config=config, model=model, threads=torch.get_num_threads(), autocast=autocast)
     result.num_params = sum(p.numel() for p in model.parameters())
     result.muon_params = sum(
-        p.numel() for g in optimizer.param_groups if g.get("algorithm") == "muon" for p in g["params"]
+        p.numel() for g in optimizer.param_groups if g.get("algorithm") in ("muon", "normuon") for p in g["params"]
     )
     start, cpu_start = time.perf_counter(), time.process_time()
     _record_eval(result, model, val_set, 0, on_eval)

@@ -164,6 +164,28 @@ def test_optimizers_share_adamw_settings_and_route_the_gpt() -> None:
             assert g["weight_decay"] == (0.1 if all(p.ndim >= 2 for p in g["params"]) else 0.0)
 
 
+def test_normuon_runs_route_the_matrices_to_normuon_at_its_own_lr() -> None:
+    model = GPT(SMALL)
+    muon = build_optimizer(model, RunConfig(model=SMALL))
+    normuon = build_optimizer(model, RunConfig(model=SMALL, optimizer="normuon", lr=0.02, normuon_lr=0.03))
+    for a, b in zip(muon.param_groups, normuon.param_groups, strict=True):
+        assert [id(p) for p in a["params"]] == [id(p) for p in b["params"]]
+        assert b["algorithm"] == a["algorithm"].replace("muon", "normuon")
+        assert b["lr"] == (0.03 if b["algorithm"] == "normuon" else a["lr"])
+
+
+def test_nanogpt_optimizers_need_the_adamw_baseline() -> None:
+    import argparse
+
+    from muonkit_bench import nanogpt
+
+    parser = argparse.ArgumentParser()
+    nanogpt.add_arguments(parser)
+    for chosen in (["muon", "normuon"], ["adamw"]):
+        with pytest.raises(ValueError, match=r"Invalid --optimizers .*: give adamw \(the baseline\) and at least one"):
+            nanogpt.main(parser.parse_args(["--preset", "tiny", "--optimizers", *chosen]))
+
+
 def test_state_bytes_are_counted_from_the_real_states() -> None:
     model = GPT(SMALL)
     muon_params = sum(
