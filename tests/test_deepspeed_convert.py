@@ -26,8 +26,10 @@ from muonkit.integrations.deepspeed_convert import convert
 SHAPES = OrderedDict([("w", torch.Size([3, 4])), ("b", torch.Size([3]))])  # one sub-group, 12 + 3 elements
 
 
-def _write_zero3(tag_dir: Path, world: int = 2) -> dict[str, torch.Tensor]:
-    """A ZeRO-3 tag directory as DeepSpeed writes it for ``world`` ranks; returns the whole tensors."""
+def _write_zero3(tag_dir: Path, world: int = 2, rows: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """A ZeRO-3 tag directory as DeepSpeed writes it for ``world`` ranks; returns the whole tensors.
+
+    ``rows``: a NorMuon group's row moments, whole in every rank's state (3 rows of ``w``)."""
     tag_dir.mkdir(parents=True)
     whole = {"fp32": torch.arange(15.0), "momentum_buffer": -torch.arange(15.0)}
     sizes = [-(-12 // world), -(-3 // world)]
@@ -44,8 +46,8 @@ def _write_zero3(tag_dir: Path, world: int = 2) -> dict[str, torch.Tensor]:
             "zero_stage": ZeroStageEnum.weights, "loss_scaler": LossScaler(1.0), "dynamic_loss_scale": False,
             "overflow": False, "partition_count": world, "fp32_flat_groups": [flat["fp32"]],
             "optimizer_state_dict": {
-                "state": {0: {"momentum_buffer": flat["momentum_buffer"]}},
-                "param_groups": [{"algorithm": "muon", "lr": 0.02, "params": [0]}],
+                "state": {0: {"momentum_buffer": flat["momentum_buffer"]} | ({} if rows is None else {"row_exp_avg_sq": rows})},
+                "param_groups": [{"algorithm": "muon" if rows is None else "normuon", "lr": 0.02, "params": [0]}],
             },
         }  # fmt: skip
         torch.save(
@@ -97,6 +99,19 @@ def test_converts_to_one_rank(tmp_path: Path) -> None:
     assert torch.equal(osd["optimizer_state_dict"]["state"][0]["momentum_buffer"], whole["momentum_buffer"])
     assert (tmp_path / "out/latest").read_text() == "step2"
     assert sorted(os.listdir(tmp_path / "out")) == ["latest", "step2"]  # nothing left aside
+
+
+def test_normuon_row_moments_are_copied_not_repartitioned(tmp_path: Path) -> None:
+    rows = torch.tensor([0.5, 0.25, 0.125])
+    whole = _write_zero3(tmp_path / "ckpt" / "step2", world=2, rows=rows)
+    argv = ["convert-deepspeed", str(tmp_path / "ckpt"), "--world-size", "3", "--tag", "step2", "--output"]
+    assert main([*argv, str(tmp_path / "out")]) == 0
+    for rank in range(3):
+        path = tmp_path / f"out/step2/zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+        state = torch.load(path, weights_only=False)["optimizer_state_dict"]["optimizer_state_dict"]["state"][0]
+        assert torch.equal(state["row_exp_avg_sq"], rows)
+        assert state["momentum_buffer"].numel() == 4 + 1  # ceil(12/3) + ceil(3/3): repartitioned
+    assert whole["momentum_buffer"].numel() == 15
 
 
 def _victim(root: Path) -> Path:

@@ -319,3 +319,16 @@ def test_a_normuon_state_does_not_load_into_a_muon_group() -> None:
     muon = muonkit.HybridMuon([{"params": _model()[:2], "algorithm": "muon"}, {"params": _model()[2:]}])
     with pytest.raises(ValueError, match=r"Param group 0 is 'muon' here but 'normuon' in the saved state"):
         muon.load_state_dict(opt.state_dict())
+
+
+def test_make_optimizer_builds_normuon_groups_and_cautious_decay() -> None:
+    from muonkit.integrations.transformers import make_optimizer
+
+    model = nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 8), nn.LayerNorm(8))
+    opt = make_optimizer(model, muon_algorithm="normuon", cautious_wd=True, beta2=0.9)
+    by_algorithm = {g["algorithm"]: g for g in opt.param_groups}
+    assert set(by_algorithm) == {"normuon", "adamw"}
+    assert by_algorithm["normuon"]["beta2"] == 0.9 and by_algorithm["normuon"]["eps"] == DEFAULTS.normuon_eps
+    assert all(g["cautious_wd"] is True for g in opt.param_groups)
+    with pytest.raises(ValueError, match=r"Unknown key 'beta2' among make_optimizer's Muon options"):
+        make_optimizer(model, beta2=0.9)

@@ -111,6 +111,14 @@ class HybridMuon(Optimizer):
             runs the plain iteration on squarer matrices; ``"newton_schulz"`` always iterates on
             ``X`` (what torch.optim.Muon does).
         adamw_lr, betas, adamw_eps, adamw_weight_decay: AdamW defaults.
+        normuon_beta2, normuon_eps: the ``beta2`` and ``eps`` of ``algorithm="normuon"`` groups
+            (NorMuon, arXiv 2510.05491: Muon whose orthogonalized update is normalized per row
+            by an EMA of its mean square, then rescaled to its Frobenius norm; see
+            :mod:`muonkit.functional.normuon`). NorMuon groups are routed and stepped like Muon
+            groups, with one more fp32 state, ``row_exp_avg_sq`` (one value per matrix row).
+        cautious_wd: default of every group's ``cautious_wd`` (Muon, NorMuon and AdamW): decay
+            only the entries whose update and weight agree in sign (arXiv 2510.12402;
+            :func:`muonkit.functional.cautious_decay_`).
         nonfinite: what a non-finite gradient or Muon update (direction after orthogonalization,
             e.g. from a diverging Newton-Schulz schedule) does. ``"skip"`` (default): the whole
             step is skipped on every group and rank, a warning is logged and ``skipped_steps``

@@ -7,7 +7,8 @@ Every rank's checkpoint file holds its flat partition of the fp32 master weights
 optimizer state (Muon ``momentum_buffer``; AdamW ``exp_avg``, ``exp_avg_sq``). All of these are
 elementwise, so re-partitioning is exact: concatenate the W partitions back into the flat group
 (or, at ZeRO-3, into each parameter), cut it again the way DeepSpeed cuts it for N ranks, and
-write N files. Scalars (AdamW ``step``, lr, loss scaler, scheduler) are copied. The model-state
+write N files. Scalars (AdamW ``step``, lr, loss scaler, scheduler) and NorMuon's row moments
+(``row_exp_avg_sq``: whole on every rank, one value per matrix row of the group) are copied. The model-state
 files are copied with ``dp_world_size`` set to N.
 
 Supported: ZeRO-1/2 (``DeepSpeedZeroOptimizer``, also with bf16), DeepSpeed's BF16 optimizer
@@ -202,7 +203,7 @@ def _contiguous(
         merged_state = {
             k: _merge([sd["base_optimizer_state"]["state"][pid][k] for sd in osd], old_size, length)
             for k, v in base["state"].get(pid, {}).items()
-            if torch.is_tensor(v) and v.ndim > 0
+            if _partitioned(k, v)
         }
         for rank, sd in enumerate(new):
             padding = size if length <= rank * size else max(0, (rank + 1) * size - length)
@@ -210,7 +211,7 @@ def _contiguous(
             sd["single_partition_of_fp32_groups"].append(parts[rank][:keep].clone())
             sd["group_paddings"].append(padding if not bf16_optimizer or rank == world - 1 else 0)
             state = {k: _split(t, size, world)[rank].clone() for k, t in merged_state.items()}
-            state |= {k: v for k, v in base["state"].get(pid, {}).items() if not (torch.is_tensor(v) and v.ndim > 0)}
+            state |= {k: v for k, v in base["state"].get(pid, {}).items() if not _partitioned(k, v)}
             sd["base_optimizer_state"]["state"][pid] = state
             sd["param_slice_mappings"].append(_slices(names[gi], numels, offsets, rank * size, size))
     return new
@@ -255,15 +256,20 @@ def _zero3(osd: list[dict[str, Any]], shapes: list[list[Any]], world: int) -> li
         numels = [math.prod(s) for s in group_shapes]
         tensors = {"fp32": [sd["fp32_flat_groups"][si] for sd in osd]}
         for k, v in base["state"].get(pid, {}).items():
-            if torch.is_tensor(v) and v.ndim > 0:
+            if _partitioned(k, v):
                 tensors[k] = [sd["optimizer_state_dict"]["state"][pid][k] for sd in osd]
         redone = {k: _repartition_params(parts, numels, old, world) for k, parts in tensors.items()}
         for rank, sd in enumerate(new):
             sd["fp32_flat_groups"].append(redone["fp32"][rank])
             state = {k: v[rank] for k, v in redone.items() if k != "fp32"}
-            state |= {k: v for k, v in base["state"].get(pid, {}).items() if not (torch.is_tensor(v) and v.ndim > 0)}
+            state |= {k: v for k, v in base["state"].get(pid, {}).items() if not _partitioned(k, v)}
             sd["optimizer_state_dict"]["state"][pid] = state
     return new
+
+
+def _partitioned(key: str, value: Any) -> bool:
+    """Whether a state entry is laid out like the flat partition (else it is copied as it is)."""
+    return torch.is_tensor(value) and value.ndim > 0 and key != "row_exp_avg_sq"
 
 
 def _repartition_params(parts: list[Tensor], numels: list[int], old: int, world: int) -> list[Tensor]:
