@@ -89,8 +89,9 @@ class RunConfig:
             ``"normuon"`` (HybridMuon with NorMuon groups for the matrices, ``algorithm="normuon"``).
         lr: Muon lr (Keller scaling ``sqrt(max(1, rows/cols))``); used by ``"muon"`` only.
         normuon_lr: NorMuon's lr (Keller scaling, muonkit's NorMuon defaults ``beta2=0.95``,
-            ``eps=1e-8``); 0.03 was the best of {0.01, 0.02, 0.03, 0.04, 0.06} on the tiny preset
-            over seeds 0-1 (BENCHMARKS.md), next to Muon's 0.02.
+            ``eps=1e-8``). Muon's 0.02: NorMuon keeps the orthogonalized update's Frobenius norm,
+            so Muon's lr carries over, and on the tiny preset (seeds 0-1, lrs 0.0025-0.08) the
+            two optimizers' best lrs coincided (BENCHMARKS.md).
         adamw_lr: the AdamW baseline's lr, and the lr of HybridMuon's AdamW groups.
         weight_decay: Muon groups' decoupled weight decay (muonkit's default 0).
         adamw_weight_decay: AdamW weight decay on 2D tensors (never on norms and biases).
@@ -112,7 +113,7 @@ class RunConfig:
     model: GPTConfig = field(default_factory=GPTConfig)
     optimizer: OptimizerName = "muon"
     lr: float = 0.02
-    normuon_lr: float = 0.03
+    normuon_lr: float = 0.02
     adamw_lr: float = 1e-3
     weight_decay: float = 0.0
     adamw_weight_decay: float = 0.1
