@@ -46,6 +46,7 @@ from ds_worker import Context, check, quiet_deepspeed
 import muonkit
 
 STEPS = 3
+NORMUON_STAGES = (1, 3)
 
 
 def _initialize(cfg: dict[str, Any], *, zero_init: bool = False, **kwargs: Any) -> tuple[Any, dict[str, torch.Tensor]]:
@@ -139,10 +140,11 @@ def zero3_fp32_matches_single_device(ctx: Context) -> None:
 
 
 @check
-def zero1_and_zero3_normuon_cautious_wd_match_single_device(ctx: Context) -> None:
-    """NorMuon (row moments of a matrix a partition boundary cuts, ZeRO-1; of every matrix, ZeRO-3)
-    and cautious weight decay from the DeepSpeed config's muonkit params equal one device's."""
-    for stage in (1, 3):
+def zero1_zero3_normuon_cautious_wd_match_single_device(ctx: Context) -> None:
+    """NorMuon (row moments of matrices whole in a partition and of one a partition boundary cuts,
+    many params per flat partition) and cautious weight decay from the DeepSpeed config's muonkit
+    params equal one device's; at ZeRO-3 every matrix is cut."""
+    for stage in NORMUON_STAGES:
         engine = _equivalent(stage, bf16=False, fp32_accumulation=False, tol=1e-4, norm_tol=1e-5, normuon=True)
         hybrid = engine.optimizer.optimizer
         algorithms = {(g["algorithm"], g["cautious_wd"]) for g in hybrid.param_groups}
