@@ -75,14 +75,13 @@ GROUP_VALUES: dict[str, st.SearchStrategy[Any]] = {
     "ns_dtype": _or_anything(st.sampled_from([None, torch.float32, torch.float64, torch.float16, torch.int32])),
     "ns_method": _or_anything(st.sampled_from(["gram", "newton_schulz", "svd"])),
     "betas": _pair(unit),
-    "beta2": _or_anything(unit),
     "cautious_wd": _or_anything(st.booleans()),
     "algorithm": st.sampled_from(["muon", "muon", "adamw", None, "sgd", 3, "normuon"]),
 }
 UNKNOWN_KEYS = ["ns_step", "adjust_lr_fn", "momentun", "foreach", "maximize", "beta1", "color", "LR"]
-KNOWN = {"params", "param_names", "algorithm", *GROUP_VALUES}
+KNOWN = {"params", "param_names", "algorithm", "beta2", *GROUP_VALUES}  # beta2: NorMuon's, from normuon_beta2
 CONSTRUCTOR_VALUES = {
-    **{k: v for k, v in GROUP_VALUES.items() if k not in ("algorithm", "layout", "split_sizes", "beta2")},
+    **{k: v for k, v in GROUP_VALUES.items() if k not in ("algorithm", "layout", "split_sizes")},
     "normuon_beta2": _or_anything(unit),
     "normuon_eps": _or_anything(st.floats(1e-12, 1e-3)),
     "adamw_lr": _or_anything(small),
