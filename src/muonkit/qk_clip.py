@@ -189,6 +189,9 @@ class QKClip:
                 "(q_proj/k_proj, GPT-2 c_attn, GPT-NeoX query_key_value, Phi-3 qkv_proj, DeepSeek MLA) and modules "
                 "with a qk_clip_layout() method that call muonkit.qk_clip.observed_attention"
             )
+        for f in found:
+            if SLOT in f.module.__dict__:
+                raise ValueError(f"QKClip: {f.name} already has a QKClip attached; call .remove() on that one first")
         from muonkit import qk_transformers
 
         switch = qk_transformers.prepare([f.module for f in found if f.via_transformers])
@@ -198,8 +201,6 @@ class QKClip:
         self.process_group = process_group
         self._slots = [_Slot(f.name, f.module, f.layout) for f in found]
         for f, slot in zip(found, self._slots, strict=True):
-            if SLOT in f.module.__dict__:
-                raise ValueError(f"QKClip: {f.name} already has a QKClip attached; call .remove() on that one first")
             f.module.__dict__[SLOT] = slot
         self._restore = switch()
         self._handles: list[Any] = []
