@@ -336,3 +336,13 @@ def test_hand_written_attention_in_a_plain_loop_with_hybridmuon() -> None:
     assert clip.last_clipped_heads > 0
     model(x)
     assert clip.max_logits()["0"].max() <= 5.0 * 1.01  # the tiny lr moved the weights a little after the clip only
+
+
+def test_an_optimizer_without_the_qk_weights_is_refused_at_its_first_step() -> None:
+    """A rescale of weights the optimizer does not hold (ZeRO's foreign flat copies, a wrong optimizer) is refused."""
+    model = tiny_model("llama_gqa")
+    norms = [p for n, p in model.named_parameters() if "norm" in n]
+    opt = torch.optim.SGD(norms, lr=0.1)
+    muonkit.QKClip(model, opt)
+    with pytest.raises(RuntimeError, match="holds none of the q/k weights"):
+        opt.step()

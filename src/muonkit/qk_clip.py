@@ -37,9 +37,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from muonkit.distributed.qk_clip import all_reduce_max_, local_index_runs, local_tensor, reduction_device
+from muonkit.distributed.zero import ZeroStrategy
 from muonkit.functional.qk_clip import (
     HeadRows,
     QKLayout,
+    flat_scale,
     max_attention_logits,
     qk_clip_factors,
     qk_row_scale,
@@ -74,12 +76,13 @@ class _Slot:
                 param = module.get_parameter(param_name)
             except AttributeError as e:
                 raise ValueError(f"QKClip: {name} declares rows of {param_name!r}, which it does not have") from e
-            if not 0 <= dim < param.ndim:
-                raise ValueError(f"QKClip: {name}.{param_name} has {param.ndim} dims, a row block names dim {dim}")
+            shape = tuple(getattr(param, "ds_shape", param.shape))  # a ZeRO-3 param is empty outside forward
+            if not 0 <= dim < len(shape):
+                raise ValueError(f"QKClip: {name}.{param_name} has {len(shape)} dims, a row block names dim {dim}")
             for block in blocks:
-                if block.end > param.shape[dim]:
+                if block.end > shape[dim]:
                     raise ValueError(
-                        f"QKClip: {name}.{param_name} has {param.shape[dim]} entries along dim {dim}, "
+                        f"QKClip: {name}.{param_name} has {shape[dim]} entries along dim {dim}, "
                         f"{block} reaches {block.end}"
                     )
             self.params.append((param_name, dim, blocks))
@@ -180,7 +183,7 @@ class QKClip:
     def __init__(
         self,
         model: nn.Module,
-        optimizer: torch.optim.Optimizer | None = None,
+        optimizer: Any = None,
         *,
         threshold: float = 100.0,
         alpha: float = 0.5,
@@ -203,7 +206,6 @@ class QKClip:
         from muonkit import qk_transformers
 
         switch = qk_transformers.prepare([f.module for f in found if f.via_transformers])
-        _refuse_zero3(model)
         self.threshold = float(threshold)
         self.alpha = float(alpha)
         self.process_group = process_group
@@ -214,6 +216,8 @@ class QKClip:
         self._handles: list[Any] = []
         self.last_max_logits: dict[str, Tensor] = {}
         self.last_clipped_heads = 0
+        self._checked = False
+        self._pending: tuple[list[tuple[Tensor, Tensor] | None], set[int]] | None = None
         if optimizer is not None:
             self.attach(optimizer)
 
@@ -222,10 +226,39 @@ class QKClip:
         """The names of the observed attention modules."""
         return [s.name for s in self._slots]
 
-    def attach(self, optimizer: torch.optim.Optimizer) -> QKClip:
-        """Run :meth:`clip` after every ``optimizer.step()`` (torch's step post-hook)."""
-        self._handles.append(optimizer.register_step_post_hook(lambda *_: self.clip()))
+    def attach(self, optimizer: Any) -> QKClip:
+        """Run the clip after every ``optimizer.step()`` (torch's step post-hook).
+
+        Wrappers (accelerate's, DeepSpeed's ZeRO optimizer) are looked through to the optimizer
+        that steps. Under DeepSpeed ZeRO-1/2/3 (a :class:`muonkit.HybridMuon` set up by
+        :mod:`muonkit.integrations.deepspeed`) the fp32 master partitions are rescaled, once each
+        after their own ``step()`` call; DeepSpeed then copies them into the low-precision weights.
+        """
+        inner = optimizer
+        while isinstance(getattr(inner, "optimizer", None), torch.optim.Optimizer) or not hasattr(
+            inner, "register_step_post_hook"
+        ):
+            if getattr(inner, "optimizer", None) is None:
+                raise TypeError(f"QKClip.attach: {type(optimizer).__name__} is not a torch optimizer nor wraps one")
+            inner = inner.optimizer
+        self._handles.append(inner.register_step_post_hook(lambda opt, *_: self._after_step(opt)))
         return self
+
+    def _after_step(self, optimizer: torch.optim.Optimizer) -> None:
+        strategy = getattr(optimizer, "strategy", None)
+        if isinstance(strategy, ZeroStrategy):
+            self._clip_flat(optimizer, strategy)
+            return
+        if not self._checked:
+            held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+            if not any(id(s.param(n)) in held for s in self._slots for n, _, _ in s.params):
+                raise RuntimeError(
+                    f"QKClip: the optimizer it is attached to ({type(optimizer).__name__}) holds none of the q/k weights, "
+                    "so a rescale would be overwritten or lost; attach it to the optimizer of the attention matrices "
+                    "(under DeepSpeed ZeRO: a muonkit.HybridMuon from muonkit.integrations.deepspeed)"
+                )
+            self._checked = True
+        self.clip()
 
     def remove(self) -> None:
         """Detach: remove the hooks, stop observing, give the model back its attention implementation."""
@@ -254,43 +287,91 @@ class QKClip:
         return slot.maxima.detach().to(device=device or slot.maxima.device, dtype=torch.float32)
 
     def clip(self) -> None:
-        """Reduce the maxima over the ranks, rescale the q/k rows of every head above the threshold, reset."""
+        """Reduce the maxima over the ranks, rescale the q/k rows of every head above the threshold, reset.
+
+        What the step hook runs (except under DeepSpeed ZeRO, where the hook rescales the flat fp32
+        partitions instead); call it yourself after each step if you did not :meth:`attach`.
+        """
+        factors = self._reduce()
+        with torch.no_grad():
+            for slot, factor in zip(self._slots, factors, strict=True):
+                if factor is not None:
+                    self._rescale(slot, *factor)
+
+    def _reduce(self) -> list[tuple[Tensor, Tensor] | None]:
+        """All-reduce (MAX) the maxima, reset them, record them; per layer the factors, None where nothing clips."""
         first = local_tensor(self._slots[0].param(self._slots[0].params[0][0]))
         device = reduction_device(self.process_group, first.device)
         joined = torch.cat([self._maxima(s, device) for s in self._slots])
         all_reduce_max_(joined, self.process_group)
+        for slot in self._slots:
+            slot.maxima = None
         sizes = [s.layout.num_heads for s in self._slots]
         per_layer = joined.split(sizes)
         hot = torch.isfinite(joined) & (joined > self.threshold)
-        clipped = hot.split(sizes)
-        flags = [bool(x) for x in torch.stack([c.any() for c in clipped]).tolist()]  # one host sync per step
-        with torch.no_grad():
-            for slot, maxima, any_hot in zip(self._slots, per_layer, flags, strict=True):
-                if any_hot:
-                    self._rescale(slot, maxima)
-                slot.maxima = None
+        flags = torch.stack([h.any() for h in hot.split(sizes)]).tolist()  # the one host sync of a step
         self.last_max_logits = {s.name: m.cpu() for s, m in zip(self._slots, per_layer, strict=True)}
         self.last_clipped_heads = int(hot.sum())
         bad = int((~torch.isfinite(joined) & (joined != -math.inf)).sum())
         if bad:
             logger.warning("QKClip: %d heads had a non-finite max logit this step; left unclipped", bad)
+        return [
+            qk_clip_factors(m, threshold=self.threshold, num_kv_heads=s.layout.num_kv_heads) if flag else None
+            for s, m, flag in zip(self._slots, per_layer, flags, strict=True)
+        ]
 
-    def _rescale(self, slot: _Slot, maxima: Tensor) -> None:
-        q_gamma, k_gamma = qk_clip_factors(maxima, threshold=self.threshold, num_kv_heads=slot.layout.num_kv_heads)
+    def _rescale(self, slot: _Slot, q_gamma: Tensor, k_gamma: Tensor) -> None:
         for name, dim, blocks in slot.params:
             param = slot.param(name)
             local = local_tensor(param)
-            scale = qk_row_scale(blocks, param.shape[dim], q_gamma, k_gamma, alpha=self.alpha)
             runs = local_index_runs(param, dim)
             if not runs or local.numel() == 0:
                 continue
+            scale = qk_row_scale(blocks, param.shape[dim], q_gamma, k_gamma, alpha=self.alpha)
             mine = torch.cat([scale[a:b] for a, b in runs]) if len(runs) > 1 else scale[runs[0][0] : runs[0][1]]
             scale_rows_(local, mine, dim=dim)
 
+    def _clip_flat(self, optimizer: torch.optim.Optimizer, strategy: ZeroStrategy) -> None:
+        """DeepSpeed ZeRO: rescale this rank's pieces of the q/k weights in the flat fp32 partitions.
 
-def _refuse_zero3(model: nn.Module) -> None:
-    if any(hasattr(p, "ds_id") for p in model.parameters()):
-        raise ValueError(
-            "QKClip does not support DeepSpeed ZeRO-3 yet: its partitioned params hold flat slices of the weights "
-            "outside the optimizer step; use ZeRO-1/2, DDP or FSDP2"
-        )
+        DeepSpeed calls ``step()`` once per param group (ZeRO-1/2) or sub-group (ZeRO-3), with
+        only that partition in ``param_groups``: the maxima are reduced at the first call of a
+        step, and each partition is rescaled right after its own update.
+        """
+        if self._pending is None:
+            self._pending = (self._reduce(), set())
+        factors, done = self._pending
+        targets = self._flat_targets(strategy)
+        with torch.no_grad():
+            for flat in (p for g in optimizer.param_groups for p in g["params"]):
+                for entry in strategy.layout_of(flat).params:
+                    target = targets.get(entry.name)
+                    piece = entry.piece_on(strategy.rank)
+                    if target is None or piece is None or factors[target[0]] is None:
+                        continue
+                    index, dim, blocks = target
+                    q_gamma, k_gamma = factors[index]  # type: ignore[misc]
+                    scale = qk_row_scale(blocks, entry.shape[dim], q_gamma, k_gamma, alpha=self.alpha)
+                    part = flat[piece.local_offset : piece.local_offset + piece.length]
+                    part.mul_(flat_scale(scale, entry.shape, dim=dim, start=piece.param_offset, length=piece.length))
+                done.add(id(flat))
+        if done >= {id(f) for f in strategy.partitions}:
+            self._pending = None
+
+    def _flat_targets(self, strategy: ZeroStrategy) -> dict[str, tuple[int, int, list[HeadRows]]]:
+        """Model param name -> (slot index, dim, blocks), checked once against DeepSpeed's param names."""
+        targets = {
+            f"{slot.name}.{name}" if slot.name else name: (i, dim, blocks)
+            for i, slot in enumerate(self._slots)
+            for name, dim, blocks in slot.params
+        }
+        if not self._checked:
+            known = {entry.name for flat in strategy.partitions for entry in strategy.layout_of(flat).params}
+            missing = sorted(set(targets) - known)
+            if missing:
+                raise RuntimeError(
+                    f"QKClip: DeepSpeed's partitions hold no param named {missing[0]!r} ({len(missing)} missing): build "
+                    "the QKClip on the model given to deepspeed.initialize (not the engine), and train the q/k weights"
+                )
+            self._checked = True
+        return targets

@@ -31,6 +31,7 @@ from torch import Tensor
 __all__ = [
     "HeadRows",
     "QKLayout",
+    "flat_scale",
     "max_attention_logits",
     "qk_clip_factors",
     "qk_row_scale",
@@ -233,3 +234,13 @@ def scale_rows_(tensor: Tensor, scale: Tensor, *, dim: int) -> None:
         tensor.mul_(factor.to(tensor.dtype))
     else:
         tensor.copy_(tensor.to(torch.float32) * factor)
+
+
+def flat_scale(scale: Tensor, shape: Sequence[int], *, dim: int, start: int, length: int) -> Tensor:
+    """The factor of each element ``start .. start + length`` of a tensor of ``shape`` flattened row-major,
+    for per-index factors ``scale`` along ``dim`` (a ZeRO flat partition holds such element ranges)."""
+    inner = 1
+    for n in shape[dim + 1 :]:
+        inner *= int(n)
+    elements = torch.arange(start, start + length, device=scale.device)
+    return scale[(elements // inner) % int(shape[dim])]
