@@ -346,3 +346,14 @@ def test_an_optimizer_without_the_qk_weights_is_refused_at_its_first_step() -> N
     muonkit.QKClip(model, opt)
     with pytest.raises(RuntimeError, match="holds none of the q/k weights"):
         opt.step()
+
+
+def test_a_watched_model_pickles_and_deep_copies() -> None:
+    import copy
+    import io
+
+    model = tiny_model("gpt2")
+    muonkit.QKClip(model)
+    twin = copy.deepcopy(model)
+    assert twin.transformer.h[0].attn.__dict__[SLOT].module is twin.transformer.h[0].attn
+    torch.save(model, io.BytesIO())

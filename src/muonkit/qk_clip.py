@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import logging
 import math
-import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,7 +62,7 @@ class _Slot:
     def __init__(self, name: str, module: nn.Module, layout: QKLayout) -> None:
         self.name = name
         self.layout = layout
-        self.module = weakref.ref(module)
+        self.module = module  # a plain reference: the slot lives in module.__dict__, so pickle and deepcopy follow
         self.maxima: Tensor | None = None
         self.params: list[tuple[str, int, list[HeadRows]]] = []
         """(param name in the module, dim, its blocks): looked up at each clip, so wrapping or sharding the
@@ -88,10 +87,7 @@ class _Slot:
             self.params.append((param_name, dim, blocks))
 
     def param(self, name: str) -> Tensor:
-        module = self.module()
-        if module is None:
-            raise RuntimeError(f"QKClip: the attention module {self.name} no longer exists")
-        return module.get_parameter(name)
+        return self.module.get_parameter(name)
 
     def observe(self, query: Tensor, key: Tensor, *, scale: float, mask: Tensor | None, causal: bool) -> None:
         heads, kv = self.layout.num_heads, self.layout.num_kv_heads
@@ -266,9 +262,7 @@ class QKClip:
             handle.remove()
         self._handles.clear()
         for slot in self._slots:
-            module = slot.module()
-            if module is not None:
-                module.__dict__.pop(SLOT, None)
+            slot.module.__dict__.pop(SLOT, None)
         self._restore()
 
     def max_logits(self) -> dict[str, Tensor]:
