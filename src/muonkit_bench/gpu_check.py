@@ -145,10 +145,21 @@ def environment(*, dry_run: bool) -> dict[str, Any]:
             multiprocessors=props.multi_processor_count,
             bf16_supported=torch.cuda.is_bf16_supported(),
             cudnn=torch.backends.cudnn.version(),
-            nccl=".".join(map(str, torch.cuda.nccl.version())) if hasattr(torch.cuda, "nccl") else None,
+            nccl=_nccl_version(),
             driver=_query(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]),
         )
     return info
+
+
+def _nccl_version() -> str | None:
+    """NCCL's version as ``major.minor.patch`` (torch returns a tuple; old builds an int), or None."""
+    try:
+        import torch.cuda.nccl
+
+        version = torch.cuda.nccl.version()
+    except (ImportError, RuntimeError, AttributeError):
+        return None
+    return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
 
 
 def _query(argv: list[str]) -> str | None:
