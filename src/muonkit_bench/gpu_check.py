@@ -36,6 +36,7 @@ import subprocess
 import sys
 import time
 import xml.etree.ElementTree as ET
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -327,9 +328,10 @@ def _step_line(r: dict[str, Any]) -> str:
 
 def _sweep_line(r: dict[str, Any]) -> str:
     s = r.get("summary", {})
-    ratio = s.get("token_ratio")
+    ratio, target = s.get("token_ratio"), s.get("target_val_loss")
     tokens = "not reached" if ratio is None else f"{ratio:.2f}x fewer tokens"
-    return f"Muon to AdamW's final val loss {s.get('target_val_loss')}: {tokens}"
+    loss = f"{target:.4f}" if isinstance(target, float) else str(target)
+    return f"HybridMuon to AdamW's final val loss {loss}: {tokens}"
 
 
 def format_report(report: dict[str, Any]) -> str:
@@ -353,7 +355,10 @@ def _details(r: dict[str, Any]) -> list[str]:
     """The step tables and the tests that did not pass, below the stage table."""
     results = r.get("results") or {}
     if r["name"] == "tests":
-        return [f"  {t['outcome']}: {t['test']}: {t['message'][:200]}" for t in results.get("not_passed", [])]
+        not_passed = results.get("not_passed", [])
+        lines = [f"  failed: {t['test']}: {t['message'][:300]}" for t in not_passed if t["outcome"] == "failed"]
+        reasons = Counter(t["message"] for t in not_passed if t["outcome"] == "skipped")
+        return lines + [f"  skipped x{n}: {reason[:200]}" for reason, n in reasons.most_common()]
     if r["name"].startswith("step"):
         from muonkit_bench.step import format_peers
 
