@@ -27,7 +27,7 @@ import logging
 import math
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -44,20 +44,21 @@ HELP = "train the benchmark GPT with Muon at a high lr with and without QK-Clip;
 logger = logging.getLogger(__name__)
 
 # Each preset: the corpus vocabulary, GPTConfig / RunConfig fields on top of their defaults, and
-# QK-Clip's threshold. Flags override them. "default": logits pass 1000 within 200 steps without
-# the clip at lr 0.1 (lr 0.05 reaches ~240 in 300 steps; figures in BENCHMARKS.md).
+# QKClip options on top of its defaults (threshold 100, alpha 0.5). Flags override them.
+# "default": without the clip the largest logit passes 700 within 200 steps at lr 0.1 (lr 0.05
+# reaches ~240 in 300 steps, lr 0.2 ~5900 in 200 with a worse loss).
 PRESETS: dict[str, dict[str, Any]] = {
     "default": {
         "vocab_size": 512,
         "model": {"block_size": 128, "n_layer": 2, "n_head": 2, "n_embd": 128},
         "run": {"steps": 200, "batch_size": 16, "eval_interval": 25, "eval_batches": 4, "lr": 0.1},
-        "threshold": 100.0,
+        "qk_clip": {},
     },
     "tiny": {
         "vocab_size": 512,
         "model": {"block_size": 32, "n_layer": 2, "n_head": 2, "n_embd": 32},
         "run": {"steps": 30, "batch_size": 8, "eval_interval": 10, "eval_batches": 2, "lr": 0.1},
-        "threshold": 2.0,
+        "qk_clip": {"threshold": 2.0},
     },
 }
 _MODEL_FLAGS = ("block_size", "n_layer", "n_head", "n_embd")
@@ -87,8 +88,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     hyper.add_argument("--lr", type=float, help="Muon lr (Keller shape scaling)")
     hyper.add_argument("--adamw-lr", type=float, help="lr of the AdamW groups (embeddings, head, norms)")
     hyper.add_argument("--weight-decay", type=float, help="Muon weight decay (default 0: nothing holds q/k back)")
-    hyper.add_argument("--threshold", type=float, help="QK-Clip's tau, the largest logit allowed")
-    hyper.add_argument("--alpha", type=float, default=0.5, help="QK-Clip's query share of the factor (default 0.5)")
+    hyper.add_argument("--threshold", type=float, help="QK-Clip's tau, the largest logit allowed (QKClip's default)")
+    hyper.add_argument("--alpha", type=float, help="QK-Clip's query share of the factor (QKClip's default)")
     run = parser.add_argument_group("run")
     run.add_argument("--seeds", type=int, nargs="+", default=[0], help="one pair of runs per seed (default: 0)")
     run.add_argument("--threads", type=int, help="torch threads (default: torch's)")
@@ -124,9 +125,14 @@ class ArmResult:
 
     name: str
     seed: int
-    clip: bool
+    qk_clip: dict[str, float] | None
+    """The QKClip's threshold and alpha; None for the plain arm."""
     run: RunResult
     trace: LogitTrace
+
+    @property
+    def clip(self) -> bool:
+        return self.qk_clip is not None
 
     @property
     def max_logit(self) -> list[float]:
@@ -155,7 +161,7 @@ class ArmResult:
         return {
             "name": self.name,
             "seed": self.seed,
-            "clip": self.clip,
+            "qk_clip": self.qk_clip,
             **dataclasses.asdict(self.trace),
             "peak_max_logit": self.peak_max_logit,
             "final_max_logit": self.max_logit[-1] if self.max_logit else None,
@@ -212,9 +218,9 @@ class LogitMeter:
 
 
 def run_arm(
-    config: RunConfig, data: Corpus, *, clip: bool, threshold: float, alpha: float, progress: bool = True
+    config: RunConfig, data: Corpus, *, qk_clip: Mapping[str, float] | None, progress: bool = True
 ) -> ArmResult:
-    """Train a fresh ``GPT(config.model)`` seeded with ``config.seed``; QK-Clip attached if ``clip``."""
+    """Train a fresh ``GPT(config.model)`` seeded with ``config.seed``, plain or with ``QKClip(**qk_clip)``."""
     from muonkit import QKClip
     from muonkit_bench.model import GPT
     from muonkit_bench.train import train
@@ -223,21 +229,25 @@ def run_arm(
     model = GPT(config.model)
     meter = LogitMeter(model)
     trace = LogitTrace()
+    used: dict[str, float] = {}
 
     def on_optimizer(optimizer: torch.optim.Optimizer) -> None:
         # QK-Clip's post-step hook first, so the recording hook sees what it just clipped.
-        qk = QKClip(model, optimizer, threshold=threshold, alpha=alpha) if clip else None
+        qk = None if qk_clip is None else QKClip(model, optimizer, **qk_clip)
+        if qk is not None:
+            used.update(threshold=qk.threshold, alpha=qk.alpha)
         optimizer.register_step_post_hook(
             lambda *_: trace.record(meter.collect(), qk.last_clipped_heads if qk is not None else 0)
         )
 
     run = train(config, data, model=model, progress=progress, on_optimizer=on_optimizer)
     meter.remove()
-    return ArmResult(name=ARMS[clip], seed=config.seed, clip=clip, run=run, trace=trace)
+    name = ARMS[qk_clip is not None]
+    return ArmResult(name=name, seed=config.seed, qk_clip=None if qk_clip is None else used, run=run, trace=trace)
 
 
-def build_configs(args: argparse.Namespace) -> tuple[dict[str, Any], RunConfig, float]:
-    """(corpus kwargs, base RunConfig, threshold) from the preset and the flags."""
+def build_configs(args: argparse.Namespace) -> tuple[dict[str, Any], RunConfig, dict[str, float]]:
+    """(corpus kwargs, base RunConfig, QKClip options) from the preset and the flags."""
     from muonkit_bench.model import GPTConfig
     from muonkit_bench.train import RunConfig
 
@@ -245,16 +255,19 @@ def build_configs(args: argparse.Namespace) -> tuple[dict[str, Any], RunConfig, 
     corpus = {"vocab_size": args.vocab_size or preset["vocab_size"], "cache_dir": args.cache_dir}
     model = {**preset["model"], **{k: getattr(args, k) for k in _MODEL_FLAGS if getattr(args, k) is not None}}
     run = {**preset["run"], **{k: getattr(args, k) for k in _RUN_FLAGS if getattr(args, k) is not None}}
-    threshold = preset["threshold"] if args.threshold is None else args.threshold
+    qk_clip = {
+        **preset["qk_clip"],
+        **{k: getattr(args, k) for k in ("threshold", "alpha") if getattr(args, k) is not None},
+    }
     config = RunConfig(model=GPTConfig(vocab_size=corpus["vocab_size"], **model), optimizer="muon", **run)
-    return corpus, config, threshold
+    return corpus, config, qk_clip
 
 
 def main(args: argparse.Namespace) -> int:
     from muonkit_bench.data import load_corpus
     from muonkit_bench.nanogpt import _finite
 
-    corpus_kwargs, base, threshold = build_configs(args)
+    corpus_kwargs, base, qk_clip = build_configs(args)
     if len(set(args.seeds)) != len(args.seeds):
         raise ValueError(f"Invalid --seeds {args.seeds}: each seed once")
     corpus = load_corpus(**corpus_kwargs)
@@ -264,13 +277,14 @@ def main(args: argparse.Namespace) -> int:
     for seed in args.seeds:
         config = dataclasses.replace(base, seed=seed)
         # The clip arm first: QKClip checks threshold and alpha before any training happens.
-        pair = [run_arm(config, corpus, clip=clip, threshold=threshold, alpha=args.alpha, progress=not args.no_progress)
-                for clip in (True, False)]  # fmt: skip
-        arms += pair[::-1]
+        clipped = run_arm(config, corpus, qk_clip=qk_clip, progress=not args.no_progress)
+        arms += [run_arm(config, corpus, qk_clip=None, progress=not args.no_progress), clipped]
+    used = next(a.qk_clip for a in arms if a.qk_clip is not None)  # the same options in every seed
+    threshold = used["threshold"]
     print(format_table(arms, threshold=threshold))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    report = _report(args, base, threshold, arms, corpus.meta, time.perf_counter() - start)
+    report = _report(args, base, used, arms, corpus.meta, time.perf_counter() - start)
     (out / "qk_clip.json").write_text(json.dumps(_finite(report), indent=2))
     if not args.no_plot:
         plot(arms, threshold=threshold, path=out / "qk_clip.png")
@@ -353,8 +367,8 @@ def plot(arms: list[ArmResult], *, threshold: float, path: str | Path) -> None:
 
 def _report(
     args: argparse.Namespace,
-    base: Any,
-    threshold: float,
+    base: RunConfig,
+    qk_clip: dict[str, float],
     arms: list[ArmResult],
     corpus_meta: dict[str, Any],
     wall_s: float,
@@ -366,8 +380,7 @@ def _report(
         "benchmark": "qk-clip",
         "command": " ".join(["muonkit", *sys.argv[1:]]) if sys.argv and "muonkit" in sys.argv[0] else None,
         "preset": args.preset,
-        "threshold": threshold,
-        "alpha": args.alpha,
+        "qk_clip": qk_clip,
         "seeds": list(args.seeds),
         "config": {k: v for k, v in base.to_dict().items() if k not in ("optimizer", "seed")},
         "arms": [a.to_dict() for a in arms],

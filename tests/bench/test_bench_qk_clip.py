@@ -99,8 +99,9 @@ def test_meter_refuses_a_model_without_the_gpt_attention() -> None:
 
 
 def test_arms_clip_only_with_qk_clip_and_the_plain_arm_is_plain_training(corpus: Corpus) -> None:
-    clipped = run_arm(CONFIG, corpus, clip=True, threshold=THRESHOLD, alpha=0.5, progress=False)
-    plain = run_arm(CONFIG, corpus, clip=False, threshold=THRESHOLD, alpha=0.5, progress=False)
+    clipped = run_arm(CONFIG, corpus, qk_clip={"threshold": THRESHOLD}, progress=False)
+    plain = run_arm(CONFIG, corpus, qk_clip=None, progress=False)
+    assert clipped.qk_clip == {"threshold": THRESHOLD, "alpha": 0.5} and plain.qk_clip is None
     steps = CONFIG.steps
     for arm in (clipped, plain):
         assert len(arm.max_logit) == len(arm.trace.clipped_heads) == steps
@@ -133,7 +134,7 @@ def test_cli_writes_table_json_and_png(
     assert "peak logit" in printed and "QK-Clip" in printed and "no clip" in printed
     report = json.loads((out / "qk_clip.json").read_text())
     assert (out / "qk_clip.png").stat().st_size > 0
-    assert report["benchmark"] == "qk-clip" and report["threshold"] == 0.1
+    assert report["benchmark"] == "qk-clip" and report["qk_clip"] == {"threshold": 0.1, "alpha": 0.5}
     arms = {a["name"]: a for a in report["arms"]}
     assert set(arms) == {"no clip", "QK-Clip"}
     assert all(len(a["max_logit"]) == 12 and a["run"]["steps"] == 12 for a in arms.values())
