@@ -52,12 +52,15 @@ def _configs() -> dict[str, Any]:
 MODELS = ("llama_gqa", "qwen2_gqa_bias", "mistral_window", "gpt2", "gpt_neox", "phi3", "deepseek_v3_mla")
 
 
-def tiny_model(name: str, *, attn_implementation: str = "sdpa", seed: int = 0, gain: float = 1.0) -> torch.nn.Module:
+def tiny_model(
+    name: str, *, attn_implementation: str = "sdpa", seed: int = 0, gain: float = 1.0, layers: int = 2
+) -> torch.nn.Module:
     """A tiny causal LM in train mode; ``gain`` multiplies the q/k-producing weights (large logits)."""
     import transformers as tf
 
     config = _configs()[name]()
     config._attn_implementation_internal = attn_implementation
+    config.num_hidden_layers = layers
     torch.manual_seed(seed)
     model = tf.AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
     if gain != 1.0:

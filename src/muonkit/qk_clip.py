@@ -63,7 +63,9 @@ class _Slot:
         self.layout = layout
         self.module = weakref.ref(module)
         self.maxima: Tensor | None = None
-        self.params: list[tuple[Tensor, int, list[HeadRows]]] = []
+        self.params: list[tuple[str, int, list[HeadRows]]] = []
+        """(param name in the module, dim, its blocks): looked up at each clip, so wrapping or sharding the
+        model after the QKClip was built (``fully_shard`` swaps in DTensor params) is fine."""
         by_key: dict[tuple[str, int], list[HeadRows]] = {}
         for block in layout.rows:
             by_key.setdefault((block.param, block.dim), []).append(block)
@@ -80,7 +82,13 @@ class _Slot:
                         f"QKClip: {name}.{param_name} has {param.shape[dim]} entries along dim {dim}, "
                         f"{block} reaches {block.end}"
                     )
-            self.params.append((param, dim, blocks))
+            self.params.append((param_name, dim, blocks))
+
+    def param(self, name: str) -> Tensor:
+        module = self.module()
+        if module is None:
+            raise RuntimeError(f"QKClip: the attention module {self.name} no longer exists")
+        return module.get_parameter(name)
 
     def observe(self, query: Tensor, key: Tensor, *, scale: float, mask: Tensor | None, causal: bool) -> None:
         heads, kv = self.layout.num_heads, self.layout.num_kv_heads
@@ -189,6 +197,9 @@ class QKClip:
                 "(q_proj/k_proj, GPT-2 c_attn, GPT-NeoX query_key_value, Phi-3 qkv_proj, DeepSeek MLA) and modules "
                 "with a qk_clip_layout() method that call muonkit.qk_clip.observed_attention"
             )
+        for f in found:
+            if SLOT in f.module.__dict__:
+                raise ValueError(f"QKClip: {f.name} already has a QKClip attached; call .remove() on that one first")
         from muonkit import qk_transformers
 
         switch = qk_transformers.prepare([f.module for f in found if f.via_transformers])
@@ -198,8 +209,6 @@ class QKClip:
         self.process_group = process_group
         self._slots = [_Slot(f.name, f.module, f.layout) for f in found]
         for f, slot in zip(found, self._slots, strict=True):
-            if SLOT in f.module.__dict__:
-                raise ValueError(f"QKClip: {f.name} already has a QKClip attached; call .remove() on that one first")
             f.module.__dict__[SLOT] = slot
         self._restore = switch()
         self._handles: list[Any] = []
@@ -246,7 +255,7 @@ class QKClip:
 
     def clip(self) -> None:
         """Reduce the maxima over the ranks, rescale the q/k rows of every head above the threshold, reset."""
-        first = local_tensor(self._slots[0].params[0][0])
+        first = local_tensor(self._slots[0].param(self._slots[0].params[0][0]))
         device = reduction_device(self.process_group, first.device)
         joined = torch.cat([self._maxima(s, device) for s in self._slots])
         all_reduce_max_(joined, self.process_group)
@@ -268,7 +277,8 @@ class QKClip:
 
     def _rescale(self, slot: _Slot, maxima: Tensor) -> None:
         q_gamma, k_gamma = qk_clip_factors(maxima, threshold=self.threshold, num_kv_heads=slot.layout.num_kv_heads)
-        for param, dim, blocks in slot.params:
+        for name, dim, blocks in slot.params:
+            param = slot.param(name)
             local = local_tensor(param)
             scale = qk_row_scale(blocks, param.shape[dim], q_gamma, k_gamma, alpha=self.alpha)
             runs = local_index_runs(param, dim)

@@ -90,7 +90,7 @@ def prepare(modules: Sequence[nn.Module]) -> Callable[[], Callable[[], None]]:
     """
     configs: dict[int, tuple[Any, str]] = {}
     for module in modules:
-        config = module.config  # type: ignore[union-attr]
+        config: Any = module.config
         current = config._attn_implementation
         if current not in WRAPPED:
             raise ValueError(
