@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from muonkit import HybridMuon, QKClip, param_groups
 from muonkit.cli import main
 from muonkit_bench.data import Corpus, load_corpus
 from muonkit_bench.model import GPT, GPTConfig
@@ -91,6 +92,25 @@ def test_meter_matches_float64_reference_and_skips_eval() -> None:
     model.train()
     model(idx)
     assert meter.collect() == {}
+
+
+def test_meter_sees_what_qk_clip_acts_on() -> None:
+    """Two ways to the same numbers: the bench's c_attn hook and QKClip's observed_attention."""
+    torch.manual_seed(0)
+    model = GPT(TINY)
+    meter = LogitMeter(model)
+    optimizer = HybridMuon(param_groups(model, lr=0.05))
+    clip = QKClip(model, optimizer, threshold=1e-3)  # clips (nearly) every head
+    for _ in range(2):
+        idx = torch.randint(0, VOCAB, (2, 16))
+        model(idx, idx)[1].backward()  # type: ignore[union-attr]
+        optimizer.step()
+        optimizer.zero_grad()
+        assert clip.last_clipped_heads > 0
+        seen = meter.collect()
+        assert set(seen) == set(clip.last_max_logits)
+        for name, heads in seen.items():
+            torch.testing.assert_close(heads, clip.last_max_logits[name], rtol=1e-6, atol=1e-6)
 
 
 def test_meter_refuses_a_model_without_the_gpt_attention() -> None:
