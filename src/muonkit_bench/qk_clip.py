@@ -7,8 +7,8 @@ batches, once plain and once with :class:`muonkit.QKClip` attached to the optimi
 every step's largest attention logit (over all layers and heads) and the validation loss, prints
 a table, and writes ``qk_clip.json`` and ``qk_clip.png`` to ``--out``.
 
-    muonkit bench qk-clip                             # the default preset (a few minutes on 2 CPU cores)
-    muonkit bench qk-clip --preset tiny               # seconds; what the test runs
+    muonkit bench qk-clip                             # the default preset (~50 s of CPU time per arm)
+    muonkit bench qk-clip --preset tiny               # seconds; the CLI test starts from it
     muonkit bench qk-clip --lr 0.2 --threshold 30 --seeds 0 1 --out runs/qk
 
 The logits are measured the same way in both arms, by a forward hook on every attention layer's
