@@ -20,6 +20,7 @@ BENCHES: dict[str, str] = {
     "dist": "muonkit_bench.dist",
     "deepspeed": "muonkit_bench.deepspeed",
     "lora": "muonkit_bench.lora",
+    "qk-clip": "muonkit_bench.qk_clip",
     "gpu-check": "muonkit_bench.gpu_check",
 }
 
