@@ -357,3 +357,20 @@ def test_a_watched_model_pickles_and_deep_copies() -> None:
     twin = copy.deepcopy(model)
     assert twin.transformer.h[0].attn.__dict__[SLOT].module is twin.transformer.h[0].attn
     torch.save(model, io.BytesIO())
+
+
+def test_a_step_without_an_observed_forward_is_reported(caplog: pytest.LogCaptureFixture) -> None:
+    """The attention implementation changed after the QKClip was built (or eval mode): said once, not silent."""
+    ids, pad = batch("none")
+    model = tiny_model("llama_gqa", gain=4.0)
+    clip = muonkit.QKClip(model)
+    model(input_ids=ids, attention_mask=pad)
+    with caplog.at_level("WARNING", logger="muonkit.qk_clip"):
+        clip.clip()
+    assert "no training-mode forward" not in caplog.text
+    model.config._attn_implementation = "eager"  # what set_attn_implementation does: the wrapper is bypassed
+    for _ in range(2):
+        model(input_ids=ids, attention_mask=pad)
+        with caplog.at_level("WARNING", logger="muonkit.qk_clip"):
+            clip.clip()
+    assert caplog.text.count("no training-mode forward pass reached 2 of 2 observed attention layers") == 1

@@ -213,6 +213,7 @@ class QKClip:
         self.last_max_logits: dict[str, Tensor] = {}
         self.last_clipped_heads = 0
         self._checked = False
+        self._unseen: list[str] = []
         self._pending: tuple[list[tuple[Tensor, Tensor] | None], set[int]] | None = None
         if optimizer is not None:
             self.attach(optimizer)
@@ -303,7 +304,22 @@ class QKClip:
         sizes = [s.layout.num_heads for s in self._slots]
         per_layer = joined.split(sizes)
         hot = torch.isfinite(joined) & (joined > self.threshold)
-        flags = torch.stack([h.any() for h in hot.split(sizes)]).tolist()  # the one host sync of a step
+        seen = joined != -math.inf
+        flags, observed = torch.stack(
+            [torch.stack([h.any() for h in hot.split(sizes)]), torch.stack([o.any() for o in seen.split(sizes)])]
+        ).tolist()  # the one host sync of a step
+        unseen = [s.name for s, o in zip(self._slots, observed, strict=True) if not o]
+        if unseen and unseen != self._unseen:
+            logger.warning(
+                "QKClip: no training-mode forward pass reached %d of %d observed attention layers since the last "
+                "step (%s): nothing was recorded or clipped there. Was the model in eval mode, or was its attention "
+                "implementation changed (set_attn_implementation) after the QKClip was built? Build the QKClip "
+                "after choosing the implementation.",
+                len(unseen),
+                len(self._slots),
+                ", ".join(unseen[:4]) + (", ..." if len(unseen) > 4 else ""),
+            )
+        self._unseen = unseen
         self.last_max_logits = {s.name: m.cpu() for s, m in zip(self._slots, per_layer, strict=True)}
         self.last_clipped_heads = int(hot.sum())
         bad = int((~torch.isfinite(joined) & (joined != -math.inf)).sum())
