@@ -15,12 +15,12 @@ import torch
 
 from muonkit import HybridMuon, QKClip, param_groups
 from muonkit.cli import main
-from muonkit_bench.data import Corpus, load_corpus
+from muonkit_bench.data import Corpus
 from muonkit_bench.model import GPT, GPTConfig
 from muonkit_bench.qk_clip import LogitMeter, run_arm
 from muonkit_bench.train import RunConfig, lr_multiplier, train
 
-VOCAB = 512
+VOCAB = 512  # the corpus fixture's (tests/bench/conftest.py)
 TINY = GPTConfig(vocab_size=VOCAB, block_size=32, n_layer=2, n_head=2, n_embd=32)
 # Muon at lr 0.05 with no decay phase: the largest logit goes from 0.06 to ~13 in 60 steps.
 CONFIG = RunConfig(
@@ -31,16 +31,6 @@ THRESHOLD = 2.0
 # new batch: its largest logit is the threshold times one update's growth and the batch-to-batch
 # spread (up to 1.42x here), not the threshold itself.
 AFTER_CLIP = 2.0
-
-
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("muonkit-cache")
-
-
-@pytest.fixture(scope="module")
-def corpus(cache_dir: Path) -> Corpus:
-    return load_corpus(vocab_size=VOCAB, cache_dir=cache_dir)
 
 
 def _reference_maxima(model: GPT, idx: torch.Tensor) -> dict[str, torch.Tensor]:
