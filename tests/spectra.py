@@ -43,14 +43,27 @@ def hard_batch(rows: int, cols: int, seed: int) -> tuple[list[str], torch.Tensor
     return [*named, "gaussian"], torch.stack(mats)
 
 
-def response(x: torch.Tensor, o: torch.Tensor, min_relative: float) -> tuple[torch.Tensor, float]:
+def decompose(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(P, S, Q^T, ||x||_F) of x scaled to max|x| = 1, in float64: what :func:`response` needs of x."""
+    x = x.to(F64) / x.to(F64).abs().max()
+    p, s, qt = torch.linalg.svd(x, full_matrices=False)
+    return p, s, qt, torch.linalg.norm(x)
+
+
+def response(
+    x: torch.Tensor,
+    o: torch.Tensor,
+    min_relative: float,
+    *,
+    svd: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, float]:
     """f(s_i) for the singular values s_i >= min_relative * ||x||_F, and the top singular value of o.
 
     Newton-Schulz is an odd matrix polynomial, so for x = P S Q^T the output is P f(S) Q^T and
-    f(s_i) is the diagonal of P^T o Q (tests/test_orthogonalize.py).
+    f(s_i) is the diagonal of P^T o Q (tests/test_orthogonalize.py). ``svd``: x's
+    :func:`decompose`, when several outputs are read against the same x.
     """
-    x = x.to(F64) / x.to(F64).abs().max()
-    p, s, qt = torch.linalg.svd(x, full_matrices=False)
-    kept = s >= min_relative * torch.linalg.norm(x)
+    p, s, qt, norm = decompose(x) if svd is None else svd
+    kept = s >= min_relative * norm
     diag = torch.diagonal(p.T @ o.to(F64) @ qt.T)[kept]
     return diag, torch.linalg.svdvals(o.to(F64)).max().item()

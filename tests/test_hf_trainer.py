@@ -152,3 +152,28 @@ def test_muon_trainer_defers_to_an_explicit_optimizer_factory(tmp_path: Path) ->
     trainer = MuonTrainer(model=tiny_model(), args=args, optimizer_cls_and_kwargs=(torch.optim.SGD, {"lr": 0.1}))
     assert type(trainer.create_optimizer()) is torch.optim.SGD
     assert isinstance(MuonTrainer(model=tiny_model(), args=args).create_optimizer(), muonkit.HybridMuon)
+
+
+def test_muon_trainer_qk_clip_clips_and_logs_the_largest_logit(tmp_path: Path) -> None:
+    """qk_clip= builds a QKClip, attaches it to the optimizer the Trainer creates; each log has the steps' peak."""
+    model = tiny_model()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "q_proj" in name or "k_proj" in name:
+                p.mul_(8.0)
+    args = training_args(tmp_path, save_strategy="no", max_steps=3)
+    trainer = MuonTrainer(model=model, args=args, train_dataset=TokenData(), qk_clip={"threshold": 1.0})
+    assert model.config._attn_implementation == "muonkit_qk_clip_sdpa"
+    peaks: list[float] = []
+    clipped: list[int] = []
+    trainer.create_optimizer()
+    trainer.optimizer.register_step_post_hook(
+        lambda *_: (peaks.append(trainer.qk_clip.last_max_logit), clipped.append(trainer.qk_clip.last_clipped_heads))
+    )
+    trainer.train()
+    logged = [e["qk_clip_max_logit"] for e in trainer.state.log_history if "loss" in e]
+    assert len(peaks) == 3 and logged == pytest.approx(peaks) and peaks[0] > 1.0 and clipped[0] > 0
+    with pytest.raises(TypeError, match="Invalid qk_clip=3"):
+        MuonTrainer(model=tiny_model(), args=args, train_dataset=TokenData(), qk_clip=3)
+    with pytest.raises(ValueError, match="Invalid threshold=-1"):
+        MuonTrainer(model=tiny_model(), args=args, train_dataset=TokenData(), qk_clip={"threshold": -1})

@@ -106,17 +106,19 @@ def _run_both(
     dtype: torch.dtype,
     ns_dtype: torch.dtype | None,
     ns_method: str = "gram",
+    device: str = "cpu",
 ) -> tuple[dict[str, torch.nn.Parameter], muonkit.HybridMuon, ref.ReferenceHybridMuon, dict[str, torch.Tensor]]:
+    """``STEPS`` steps of HybridMuon (params on ``device``) and of the float64 CPU reference."""
     init, target, noise = _problem()
     groups = _groups(nesterov, adjust_lr)
-    params = {n: torch.nn.Parameter(init[n].to(dtype)) for n in SPECS}
+    params = {n: torch.nn.Parameter(init[n].to(device=device, dtype=dtype)) for n in SPECS}
     opt_groups = [{**g, "params": [params[n] for n, s in SPECS.items() if s[1] == gi]} for gi, g in enumerate(groups)]
     opt = muonkit.HybridMuon(opt_groups, ns_dtype=ns_dtype, ns_method=ns_method)
     reference, names = _reference(groups, init)
     for step in range(STEPS):
         for n, p in params.items():
-            grad = _grad(n, p.detach(), step, target, noise)
-            p.grad = None if grad is None else grad.to(dtype)
+            grad = _grad(n, p.detach().cpu(), step, target, noise)
+            p.grad = None if grad is None else grad.to(device=device, dtype=dtype)
         opt.step()
         reference.step([_grad(n, rp.value, step, target, noise) for n, rp in zip(names, reference.params, strict=True)])
         if dtype == torch.bfloat16:  # the reference stores its weights in bf16 too
@@ -142,7 +144,7 @@ def _relative_errors(params: dict, reference: ref.ReferenceHybridMuon, init: dic
     out = {}
     for (name, p), rp in zip(params.items(), reference.params, strict=True):
         travelled = torch.linalg.vector_norm(rp.value - init[name]).item()
-        out[name] = torch.linalg.vector_norm(p.detach().to(F64) - rp.value).item() / travelled
+        out[name] = torch.linalg.vector_norm(p.detach().cpu().to(F64) - rp.value).item() / travelled
     return out
 
 

@@ -11,11 +11,13 @@ Layers (imports flow one way): ``integrations``, ``cli``, ``bench`` -> ``optimiz
 from muonkit.functional.orthogonalize import orthogonalize
 from muonkit.optimizer import HybridMuon, Muon
 from muonkit.param_groups import RoutingReport, explain, param_groups
+from muonkit.qk_clip import QKClip
 from muonkit.routing import Route, Rule, lora_rules
 
 __all__ = [
     "HybridMuon",
     "Muon",
+    "QKClip",
     "Route",
     "RoutingReport",
     "Rule",

@@ -20,6 +20,8 @@ BENCHES: dict[str, str] = {
     "dist": "muonkit_bench.dist",
     "deepspeed": "muonkit_bench.deepspeed",
     "lora": "muonkit_bench.lora",
+    "qk-clip": "muonkit_bench.qk_clip",
+    "gpu-check": "muonkit_bench.gpu_check",
 }
 
 INSTALL = "pip install 'muonkit[bench]' (from a clone of the repository: make setup)"

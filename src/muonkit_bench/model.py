@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from muonkit.qk_clip import HeadRows, QKLayout, observed_attention
+
 __all__ = ["GPT", "GPTConfig"]
 
 
@@ -81,14 +83,25 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
 
+    def qk_clip_layout(self) -> QKLayout:
+        """For :class:`muonkit.QKClip`: ``c_attn`` rows ``[q heads | k heads | v heads]``, each head ``head_dim`` rows."""
+        width = self.c_attn.out_features // 3
+        head_dim = width // self.n_head
+        blocks = [
+            HeadRows("c_attn.weight", "query", self.n_head, head_dim),
+            HeadRows("c_attn.weight", "key", self.n_head, head_dim, width),
+        ]
+        if self.c_attn.bias is not None:
+            blocks += [HeadRows("c_attn.bias", b.part, b.count, b.width, b.offset) for b in blocks]
+        return QKLayout(self.n_head, self.n_head, tuple(blocks))
+
     def forward(self, x: Tensor) -> Tensor:
         batch, time, channels = x.shape
         q, k, v = self.c_attn(x).split(channels, dim=2)
         # (B, T, C) -> (B, heads, T, head_dim)
         q, k, v = (t.view(batch, time, self.n_head, channels // self.n_head).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-        )  # fmt: skip
+        # plain sdpa, which also reports its logit maxima when a muonkit.QKClip watches this module
+        y = observed_attention(self, q, k, v, causal=True, dropout_p=self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).contiguous().view(batch, time, channels)
         return self.resid_dropout(self.c_proj(y))
 

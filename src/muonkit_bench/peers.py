@@ -8,6 +8,11 @@ tensors with the same algorithm) and returns an object with ``step()``, ``zero_g
 - ``hybrid_muon`` / ``hybrid_muon_ns``: :class:`muonkit.HybridMuon` with its default Gram iteration /
   with the plain Newton-Schulz iteration torch.optim.Muon runs.
 - ``torch_muon``: ``torch.optim.Muon`` on the Muon groups (2D only) + ``torch.optim.AdamW`` on the rest.
+- ``torch_muon_compiled`` / ``adamw_compiled`` (``peers(compiled=True)``, ``bench step --compiled``):
+  ``torch_muon`` and ``adamw`` with their ``step()`` under ``torch.compile``, as compiled training
+  loops run them. They compile only where ``TORCH_COMPILE_DISABLE=0`` is set explicitly (else they,
+  like DeepSpeed's compiled update, run eagerly: see :func:`_disable_compile_unless_asked`); the
+  first steps compile, so ``bench step --warmup`` must cover them.
 - ``deepspeed_standard`` / ``deepspeed_gram``: DeepSpeed's ``SingleDeviceMuonWithAuxAdam``
   (its single-device Muon with an inline Adam) with ``ns_method="standard"`` (Keller's 5 steps in
   bf16) or ``"gram"`` (Gram Newton-Schulz; fp16 where oneDNN has fp16, else fp32). Its
@@ -61,6 +66,30 @@ class TorchMuonAdamW:
         self.adamw.zero_grad(set_to_none)
 
 
+class CompiledStep:
+    """Another peer with its ``step()`` under ``torch.compile`` (the same state and params); eager
+    where :func:`compile_enabled` is False (not even importing the compiler: ~5 s)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self._step = torch.compile(inner.step) if compile_enabled() else inner.step
+
+    @property
+    def state(self) -> Any:
+        return self.inner.state
+
+    def step(self) -> None:
+        self._step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.inner.zero_grad(set_to_none)
+
+
+def compile_enabled() -> bool:
+    """Whether the compiled peers really compile here (see :func:`_disable_compile_unless_asked`)."""
+    return os.environ.get("TORCH_COMPILE_DISABLE", "1") == "0"
+
+
 def adamw(groups: Groups, *, adamw_lr: float = 3e-4) -> torch.optim.Optimizer:
     params = [p for g in groups for p in g["params"]]
     return torch.optim.AdamW(params, lr=adamw_lr, betas=(0.9, 0.95), weight_decay=0.0, foreach=True)
@@ -108,8 +137,9 @@ def _disable_compile_unless_asked() -> None:
         torch._dynamo.config.disable = True
 
 
-def peers(*, deepspeed: bool = True) -> dict[str, Peer]:
-    """The comparable set: every Muon method with Keller's coefficients and 5 steps, Nesterov, bf16."""
+def peers(*, deepspeed: bool = True, compiled: bool = False) -> dict[str, Peer]:
+    """The comparable set: every Muon method with Keller's coefficients and 5 steps, Nesterov, bf16;
+    with ``compiled``, also the peers whose ``step()`` runs under ``torch.compile``."""
     table = {
         "adamw": Peer("adamw", adamw, "torch.optim.AdamW foreach, all tensors"),
         "hybrid_muon": Peer(
@@ -129,6 +159,16 @@ def peers(*, deepspeed: bool = True) -> dict[str, Peer]:
         ),
         "torch_muon": Peer("torch_muon", TorchMuonAdamW, "torch.optim.Muon keller x5 bf16 + torch AdamW foreach"),
     }
+    if compiled:
+        how = "torch.compile'd step" if compile_enabled() else "step run eagerly (TORCH_COMPILE_DISABLE is not 0)"
+        table["adamw_compiled"] = Peer(
+            "adamw_compiled", lambda g: CompiledStep(adamw(g)), f"torch.optim.AdamW foreach, {how}"
+        )
+        table["torch_muon_compiled"] = Peer(
+            "torch_muon_compiled",
+            lambda g: CompiledStep(TorchMuonAdamW(g)),
+            f"torch.optim.Muon keller x5 bf16 + torch AdamW foreach, {how}",
+        )
     if deepspeed:
         for method in ("standard", "gram"):
             table[f"deepspeed_{method}"] = Peer(

@@ -17,6 +17,7 @@ step count. Example::
 
     muonkit bench step                       # GPT-2-124M shapes and the benchmark GPT
     muonkit bench step --models tiny --repeats 2 --ns-steps 3,5
+    TORCH_COMPILE_DISABLE=0 muonkit bench step --device cuda --compiled --warmup 3   # + torch.compile'd peers
 """
 
 from __future__ import annotations
@@ -195,7 +196,7 @@ def _error_summary(errors: dict[str, dict[str, float]]) -> dict[str, float | Non
 def compare_peers(h: Harness, args: argparse.Namespace) -> dict[str, Any]:
     from muonkit_bench.peers import peers
 
-    table = peers(deepspeed=not args.no_deepspeed)
+    table = peers(deepspeed=not args.no_deepspeed, compiled=args.compiled)
     wanted = args.methods.split(",") if args.methods else list(table)
     rows = {}
     for name in wanted:
@@ -203,7 +204,7 @@ def compare_peers(h: Harness, args: argparse.Namespace) -> dict[str, Any]:
         logger.info("%s: %s", h.name, name)
         rows[name] = {
             "notes": peer.notes,
-            **h.run(peer.build, warmup=args.warmup, repeats=args.repeats, muon=name != "adamw"),
+            **h.run(peer.build, warmup=args.warmup, repeats=args.repeats, muon=not name.startswith("adamw")),
         }
     return rows
 
@@ -266,6 +267,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--models", default="gpt2-124m,bench-gpt", help=f"comma-separated, from {sorted(MODELS)}")
     parser.add_argument("--methods", help="comma-separated peers (default: all; see muonkit_bench.peers)")
     parser.add_argument("--no-deepspeed", action="store_true", help="leave DeepSpeed's Muon out")
+    parser.add_argument(
+        "--compiled", action="store_true",
+        help="add the torch.compile'd peers (adamw_compiled, torch_muon_compiled); they compile only with "
+        "TORCH_COMPILE_DISABLE=0 set, and compile during --warmup",
+    )  # fmt: skip
     parser.add_argument("--presets", default="keller,you,polar_express", help="presets for the second table")
     parser.add_argument("--ns-steps", default="3,4,5,6,7,8", help="Newton-Schulz step counts for the second table")
     parser.add_argument("--no-presets", action="store_true", help="skip the second table")

@@ -236,7 +236,7 @@ def lr_multiplier(step: int, *, steps: int, warmup_steps: int, decay_steps: int)
     """Warmup-stable-decay factor for 0-based ``step`` (see the module docstring)."""
     if step < warmup_steps:
         return (step + 1) / warmup_steps
-    if step >= steps - decay_steps:
+    if decay_steps and step >= steps - decay_steps:
         return (steps - step) / decay_steps
     return 1.0
 
@@ -325,12 +325,14 @@ def train(
     model: nn.Module | None = None,
     progress: bool = True,
     on_eval: Callable[[int, float], None] | None = None,
+    on_optimizer: Callable[[torch.optim.Optimizer], None] | None = None,
 ) -> RunResult:
     """Train ``model`` (default: a fresh seeded ``GPT(config.model)``) and measure it.
 
     ``model`` must map ``(x, y)`` to ``(logits, loss)``; it is trained in place and returned in
-    ``RunResult.model``. ``on_eval(step, val_loss)`` is called after each evaluation. A
-    non-finite training loss stops the run (``diverged=True``, final val loss ``inf``).
+    ``RunResult.model``. ``on_eval(step, val_loss)`` is called after each evaluation;
+    ``on_optimizer(optimizer)`` once, before the first step (to attach step hooks: QK-Clip, a
+    per-step probe). A non-finite training loss stops the run (``diverged=True``, final val loss ``inf``).
     """
     if config.threads is not None:
         torch.set_num_threads(config.threads)
@@ -339,6 +341,8 @@ def train(
         model = GPT(config.model)
     model.to(config.device).train()
     optimizer = build_optimizer(model, config)
+    if on_optimizer is not None:
+        on_optimizer(optimizer)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer,
         lambda s: lr_multiplier(

@@ -24,17 +24,7 @@ from muonkit_bench.data import Corpus, clean_markdown, find_plays, load_corpus, 
 from muonkit_bench.model import GPT, GPTConfig
 from muonkit_bench.train import RunConfig, build_optimizer, lr_multiplier, optimizer_state_bytes, train
 
-VOCAB = 512  # the tiny preset's: small, so the BPE trains in seconds
-
-
-@pytest.fixture(scope="session")
-def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("muonkit-cache")
-
-
-@pytest.fixture(scope="session")
-def corpus(cache_dir: Path) -> Corpus:
-    return load_corpus(vocab_size=VOCAB, cache_dir=cache_dir)
+VOCAB = 512  # the corpus fixture's (tests/bench/conftest.py)
 
 
 SMALL = GPTConfig(vocab_size=VOCAB, block_size=16, n_layer=2, n_head=2, n_embd=32)

@@ -66,3 +66,29 @@ def test_cli_smoke(tmp_path: Path) -> None:
     assert set(presets) == {"kellerx3", "kellerx5", "polar_expressx3", "polar_expressx5"}
     # more steps move the singular values closer to 1 on average (a property of the polynomials)
     assert presets["polar_expressx5"]["mean_abs_s_minus_1"] < presets["polar_expressx3"]["mean_abs_s_minus_1"]
+
+
+def test_compiled_peers_step_like_their_eager_selves() -> None:
+    """``--compiled`` adds torch_muon_compiled and adamw_compiled; in the suite (TORCH_COMPILE_DISABLE=1)
+    they run eagerly, and must then give exactly the updates of torch_muon and adamw."""
+    from muonkit_bench.peers import compile_enabled, peers
+
+    table = peers(deepspeed=False, compiled=True)
+    assert not compile_enabled() and "run eagerly" in table["torch_muon_compiled"].notes
+    assert "torch_muon_compiled" not in peers(deepspeed=False)
+    for name in ("adamw", "torch_muon"):
+        finals = []
+        for peer in (name, f"{name}_compiled"):
+            torch.manual_seed(0)
+            params = [torch.nn.Parameter(torch.randn(8, 16)), torch.nn.Parameter(torch.randn(16))]
+            opt = table[peer].build(
+                [{"algorithm": "muon", "params": params[:1]}, {"algorithm": "adamw", "params": params[1:]}]
+            )
+            for _ in range(2):
+                for p in params:
+                    p.grad = torch.ones_like(p).cumsum(0)
+                opt.step()
+            assert set(opt.state) == set(params)
+            finals.append([p.detach() for p in params])
+        assert all(torch.equal(a, b) for a, b in zip(*finals, strict=True)), name
+        assert not torch.equal(finals[0][0], torch.randn(8, 16, generator=torch.Generator().manual_seed(0)))

@@ -342,3 +342,13 @@ def bf16_optimizer_checkpoint_resumes_bit_identically(ctx: Context) -> None:
 @check
 def zero3_checkpoint_resumes_bit_identically(ctx: Context) -> None:
     _resume_bit_identical(ctx, 3, "zero3")
+
+
+@check
+def qk_clip_rescales_the_master_partitions_at_zero_1_2_and_3(ctx: Context) -> None:
+    """fp32 ZeRO-1, 2 and 3 equal one device, master and module weights (bf16 runs the same copy of
+    the master into the module)."""
+    from ds_qk_clip import zero_run_equals_one_device
+
+    for stage in (1, 2, 3):
+        zero_run_equals_one_device(stage)

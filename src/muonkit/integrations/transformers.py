@@ -23,6 +23,7 @@ downloads): what :func:`muonkit.explain` and ``muonkit bench memory`` need.
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
@@ -34,6 +35,7 @@ from muonkit.config import DEFAULTS, MUON_KEYS, NORMUON_KEYS, check_group_keys
 from muonkit.distributed import world_size
 from muonkit.optimizer import HybridMuon
 from muonkit.param_groups import no_decay_on_vectors, param_groups
+from muonkit.qk_clip import QKClip
 from muonkit.routing import RuleLike
 
 __all__ = ["MuonTrainer", "make_optimizer", "model_from_config"]  # noqa: F822 (MuonTrainer: module __getattr__)
@@ -166,13 +168,46 @@ def _make_muon_trainer() -> type:
 
         ``muon_options`` are the keyword arguments of :func:`make_optimizer` (``muon_lr``,
         ``adamw_lr``, ``adjust_lr``, ``rules``...). Everything else is the Trainer's.
+
+        ``qk_clip``: QK-Clip after every optimizer step (:class:`muonkit.QKClip`): ``True`` for the
+        defaults, a mapping of its keyword arguments (``{"threshold": 50.0, "alpha": 0.5}``), or a
+        ``QKClip`` already built on the model. Built here (before the first forward, so a bad
+        setting fails before training) and attached to the optimizer when the Trainer creates it;
+        each training log then carries ``qk_clip_max_logit``, the largest attention logit (any
+        layer, head, rank) of the steps since the previous log. Available as ``trainer.qk_clip``.
         """
 
-        def __init__(self, *args: Any, muon_options: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
+        def __init__(
+            self,
+            *args: Any,
+            muon_options: Mapping[str, Any] | None = None,
+            qk_clip: bool | Mapping[str, Any] | QKClip | None = None,
+            **kwargs: Any,
+        ) -> None:
             self.muon_options = dict(muon_options or {})
             super().__init__(*args, **kwargs)
+            self.qk_clip = _qk_clip_of(qk_clip, self.model)
+            self._qk_clip_peak = -math.inf
 
         def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
+            optimizer = self._create_optimizer(model)
+            if self.qk_clip is not None and not getattr(optimizer, "_muonkit_qk_clip_attached", False):
+                self.qk_clip.attach(optimizer)
+                optimizer.register_step_post_hook(lambda *_: self._record_qk_clip_peak())
+                optimizer._muonkit_qk_clip_attached = True  # type: ignore[attr-defined]
+            return optimizer
+
+        def _record_qk_clip_peak(self) -> None:
+            assert self.qk_clip is not None
+            self._qk_clip_peak = max(self._qk_clip_peak, self.qk_clip.last_max_logit)
+
+        def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+            if self.qk_clip is not None and "loss" in logs and self._qk_clip_peak > -math.inf:
+                logs = {**logs, "qk_clip_max_logit": self._qk_clip_peak}
+                self._qk_clip_peak = -math.inf
+            super().log(logs, *args, **kwargs)
+
+        def _create_optimizer(self, model: nn.Module | None) -> torch.optim.Optimizer:
             if getattr(self, "optimizer_cls_and_kwargs", None) is not None:
                 # An explicit factory wins, e.g. muonkit.integrations.deepspeed.trainer_setup's.
                 return cast(torch.optim.Optimizer, super().create_optimizer(model))
@@ -183,6 +218,20 @@ def _make_muon_trainer() -> type:
             return optimizer
 
     return MuonTrainer
+
+
+def _qk_clip_of(setting: bool | Mapping[str, Any] | QKClip | None, model: nn.Module) -> QKClip | None:
+    if setting is None or setting is False:
+        return None
+    if isinstance(setting, QKClip):
+        return setting
+    if setting is True:
+        return QKClip(model)
+    if isinstance(setting, Mapping):
+        return QKClip(model, **setting)
+    raise TypeError(
+        f"Invalid qk_clip={setting!r}: must be True, a mapping of muonkit.QKClip keyword arguments, or a QKClip"
+    )
 
 
 def __getattr__(name: str) -> Any:
