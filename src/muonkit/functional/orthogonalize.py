@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import torch
 from torch import Tensor
@@ -133,8 +133,10 @@ def orthogonalize_batches(
     for part in parts:
         _normalize_into(part.mT if tall else part, work[offset : offset + part.size(0)], norm_factor + eps)
         offset += part.size(0)
-    iterate = _gram_newton_schulz if uses_gram(short, long, method=method, dtype=compute) else _newton_schulz
-    out = iterate(work, schedule)
+    if uses_gram(short, long, method=method, dtype=compute):
+        out = _gram_newton_schulz(work, schedule, gram_restarts(len(schedule), compute))
+    else:
+        out = _newton_schulz(work, schedule)
     out = out.mT if tall else out
     if out.dtype == first.dtype and scale == 1.0:
         return out
@@ -205,12 +207,37 @@ def _newton_schulz(x: Tensor, schedule: Sequence[tuple[float, float, float]]) ->
 # rank-1, power-law, Cauchy, clustered and Gaussian inputs (8x64 to 32x256, every preset, 5-100
 # steps; 768x3072 with polar_express and keller at 5-32 steps): restarts every 3, 4 or 5 steps all
 # hold the presets' bands (0 failures); a restart at step 2 alone fails from 10 steps (inf from
-# 12). Up to 6 steps that is the only restart, as before.
+# 12). Up to 6 steps that is the only restart.
 _GRAM_FIRST_RESTART, _GRAM_RESTART_EVERY = 2, 4
+# Up to this many steps the Gram iteration runs without any restart (see gram_restarts).
+_GRAM_NO_RESTART_UP_TO = {torch.float32: 5, torch.float64: 10}
 
 
-def gram_restarts(steps: int) -> tuple[int, ...]:
-    """The steps at which the Gram iteration rebuilds ``X`` and recomputes ``R = X X^T``."""
+def gram_restarts(steps: int, dtype: torch.dtype | None = None) -> tuple[int, ...]:
+    """The steps at which the Gram iteration rebuilds ``X`` and recomputes ``R = X X^T``.
+
+    A function of the compute ``dtype`` (None counts as fp32) and the step count, measured on
+    hard inputs (``tests/measure_gram.py``: condition 1e3 to 1e12, low rank, rank 1, power-law,
+    Cauchy, clustered, near-orthogonal, 1e-30 and 1e30 scales, Gaussian; 128x512 for every
+    preset and 3-12 steps, and GPT-2's 768x3072, 3072x768 and 768x2304), against the plain
+    iteration in the same dtype and in fp64:
+
+    - fp32, up to 5 steps (every preset's own count): no restart. Its relative distance to the
+      plain fp32 iteration is at most 4.5e-3 (Polar Express on 16x80 to 128x512 hard inputs;
+      3.5e-4 on GPT-2's 768x3072, 1.2e-4 with the restart), every output singular value stays in
+      the preset's band and the polar distance is unchanged to 4 digits;
+      dropping the restart saves 17% of the Gram FLOPs at 768x3072 (27.2 -> 22.6 GFLOP; plain
+      iteration 40.8) and 12% at 768x2304 (23.6 -> 20.8). From 6 steps the drift grows ~4x per step
+      (8.7e-3 at 6, 4.2e-2 at 7; singular values 1.75 at 8 steps, 1e17 at 10), so from 6 steps
+      the restarts above apply.
+    - fp64, up to 10 steps: no restart (distance to the plain fp64 iteration at most 1.1e-7 at
+      10 steps, 1.2e-5 at 12), then the restarts above.
+    - bf16 and fp16: the restarts above, which are not enough (singular values up to 33 at 6
+      steps, inf from 10; without the restart 1.9e13 at 5 steps): :func:`uses_gram` keeps these
+      dtypes on the plain iteration, so ``orthogonalize`` never runs this.
+    """
+    if steps <= _GRAM_NO_RESTART_UP_TO.get(dtype or torch.float32, 0):
+        return ()
     return tuple(range(_GRAM_FIRST_RESTART, steps, _GRAM_RESTART_EVERY))
 
 
@@ -228,7 +255,7 @@ def orthogonalization_flops(
     m, n = min(rows, cols), max(rows, cols)
     if not uses_gram(m, n, method=method, dtype=dtype):
         return steps * (4 * m * m * n + 2 * m**3)
-    restarts = gram_restarts(steps)
+    restarts = gram_restarts(steps, dtype)
     flops = 4 * m * m * n + len(restarts) * 4 * m * m * n
     for i in range(steps):
         flops += 2 * m**3 + (0 if i == 0 or i in restarts else 2 * m**3)
@@ -237,7 +264,7 @@ def orthogonalization_flops(
     return flops
 
 
-def _gram_newton_schulz(x: Tensor, schedule: Sequence[tuple[float, float, float]]) -> Tensor:
+def _gram_newton_schulz(x: Tensor, schedule: Sequence[tuple[float, float, float]], restarts: Collection[int]) -> Tensor:
     """The same iteration run on the n x n Gram matrix of a batch (B, n, m), n <= m/2.
 
     Each step is ``X <- P X`` with ``P = a I + b R + c R^2`` and ``R = X X^T``. Since P is a
@@ -249,12 +276,12 @@ def _gram_newton_schulz(x: Tensor, schedule: Sequence[tuple[float, float, float]
     its rounding error (and negative eigenvalues where X is rank-deficient or ill-conditioned)
     grows by up to a^2 (66 for Polar Express's first step, 5.5 for its last) at each update, and a
     negative eigenvalue r makes ``a + b r + c r^2`` grow without bound. So at each step of
-    :func:`gram_restarts` ``X`` is rebuilt from ``Q`` and R recomputed from it. That bounds the
-    growth in fp32 and fp64 (fp32 error ~1e-7 times at most ~1e4); in bf16 (~4e-3) even a restart
+    ``restarts`` (:func:`gram_restarts`; none up to 5 steps in fp32, where the drift stays within
+    4.5e-3 of the plain iteration) ``X`` is rebuilt from ``Q`` and R recomputed from it. That
+    bounds the growth in fp32 and fp64 (fp32 error ~1e-7 times at most ~1e4); in bf16 (~4e-3) even a restart
     every second step measured singular values up to 19 (Polar Express, 5 steps) and diverged to
     inf from 8 steps, so :func:`uses_gram` keeps bf16 and fp16 on the plain iteration.
     """
-    restarts = gram_restarts(len(schedule))
     gram = torch.bmm(x, x.mT)
     q: Tensor | None = None
     for i, (a, b, c) in enumerate(schedule):
