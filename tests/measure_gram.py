@@ -23,7 +23,7 @@ import torch
 
 import spectra
 from muonkit.functional.coefficients import resolve_preset
-from muonkit.functional.orthogonalize import _gram_newton_schulz, _newton_schulz, _normalize_into
+from muonkit.functional.orthogonalize import _gram_newton_schulz_, _newton_schulz_, _normalize_into
 
 F64 = torch.float64
 
@@ -55,7 +55,8 @@ def run(x: torch.Tensor, dtype: torch.dtype, preset: str, steps: int, restarts: 
     src = x.mT if tall else x
     work = torch.empty(src.shape, dtype=dtype)
     _normalize_into(src, work, k + 1e-7)
-    out = _newton_schulz(work, schedule) if restarts is None else _gram_newton_schulz(work, schedule, restarts)
+    box = [work]
+    out = _newton_schulz_(box, schedule) if restarts is None else _gram_newton_schulz_(box, schedule, restarts)
     return out.mT if tall else out
 
 

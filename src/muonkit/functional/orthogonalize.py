@@ -85,7 +85,7 @@ def orthogonalize(
         dtype: compute dtype of the matrix products, float32, bfloat16, float64 or (GPU only)
             float16 (default: :func:`default_compute_dtype`).
         method: ``"newton_schulz"`` (default) iterates on ``X``; ``"gram"`` iterates on the small
-            Gram matrix (:func:`_gram_newton_schulz`), the same polynomial in exact arithmetic and
+            Gram matrix (:func:`_gram_newton_schulz_`), the same polynomial in exact arithmetic and
             fewer FLOPs, where it is safe: aspect ratio >= 2 and fp32 or fp64 compute. Other
             shapes, and bf16 or fp16 compute, use ``"newton_schulz"`` (see :func:`uses_gram`).
     """
@@ -133,17 +133,23 @@ def orthogonalize_batches(
     for part in parts:
         _normalize_into(part.mT if tall else part, work[offset : offset + part.size(0)], norm_factor + eps)
         offset += part.size(0)
+    # The iterations overwrite ``work`` and take it over (``box``), so that it is not held here.
+    box = [work]
+    del work
     if uses_gram(short, long, method=method, dtype=compute):
-        out = _gram_newton_schulz(work, schedule, gram_restarts(len(schedule), compute))
+        out = _gram_newton_schulz_(box, schedule, gram_restarts(len(schedule), compute))
     else:
-        out = _newton_schulz(work, schedule)
+        out = _newton_schulz_(box, schedule)
     out = out.mT if tall else out
     if out.dtype == first.dtype and scale == 1.0:
         return out
     # A dimensioned factor makes the product compute in the wider of the two dtypes (a Python
     # float would keep bf16 arithmetic): fp32(out) * scale, rounded once, in the same pass as the cast.
     wide = torch.promote_types(out.dtype, first.dtype)
-    return torch.mul(out, torch.full((1, 1, 1), scale, dtype=wide, device=first.device)).to(first.dtype)
+    factor = torch.full((1, 1, 1), scale, dtype=wide, device=first.device)
+    if out.dtype == first.dtype and not out.requires_grad:
+        return out.mul_(factor)  # out is this call's own buffer: scale it in place
+    return torch.mul(out, factor).to(first.dtype)
 
 
 def uses_gram(rows: int, cols: int, *, method: str, dtype: torch.dtype | None) -> bool:
@@ -152,7 +158,7 @@ def uses_gram(rows: int, cols: int, *, method: str, dtype: torch.dtype | None) -
     Only for ``method="gram"``, aspect ratio >= 2 (else it saves nothing) and fp32 or fp64
     compute (``dtype=None`` counts as fp32). In bf16 and fp16 the rounding of the tracked Gram
     matrix compounds between restarts until singular values leave the band or diverge, however
-    often it is restarted short of every step (measured: see :func:`_gram_newton_schulz`), so
+    often it is restarted short of every step (measured: see :func:`_gram_newton_schulz_`), so
     there ``"gram"`` runs the plain iteration.
     """
     m, n = sorted((rows, cols))
@@ -175,9 +181,10 @@ def _normalize_into(x: Tensor, out: Tensor, k: float) -> None:
     The norm is reduced from a contiguous copy when ``x`` is a strided view (a transposed or
     split layout, a tall matrix seen short side first): a reduction's summation order follows
     memory order, so this makes each matrix's result depend on its values alone, not on how the
-    caller stores them (one device passes views, the distributed owners stacked copies).
+    caller stores them (one device passes views, the distributed owners stacked copies). That
+    copy is ``out`` itself where the dtypes match (then normalized in place: no temporary).
     """
-    x = x.contiguous()
+    x = out.copy_(x) if not x.is_contiguous() and x.dtype == out.dtype else x.contiguous()
     if x.dtype != torch.float64:
         norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True, dtype=torch.float32)
         lo, hi = _TRUSTED_NORMS
@@ -193,13 +200,31 @@ def _normalize_into(x: Tensor, out: Tensor, k: float) -> None:
     torch.div(wide, torch.where(norm > 0, k * norm, torch.ones_like(norm)), out=out)
 
 
-def _newton_schulz(x: Tensor, schedule: Sequence[tuple[float, float, float]]) -> Tensor:
-    """The quintic iteration on a batch (B, m, n) with m <= n, in x's dtype."""
+def _newton_schulz_(box: list[Tensor], schedule: Sequence[tuple[float, float, float]]) -> Tensor:
+    """The quintic iteration on the batch (B, m, n), m <= n, in ``box`` (emptied), in its dtype.
+
+    The batch is overwritten: the iterates alternate between it and one spare buffer, so the
+    iteration holds two copies of the batch however many steps it runs (the caller holds none).
+    """
+    x = box.pop()
+    spare = _spare(x, len(schedule) > 1)
     for a, b, c in schedule:
         gram = torch.bmm(x, x.mT)
         poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
-        x = torch.baddbmm(x, poly, x, beta=a)
+        del gram  # not held during the large product
+        if spare is None:
+            x = torch.baddbmm(x, poly, x, beta=a)
+        else:
+            torch.baddbmm(x, poly, x, beta=a, out=spare)
+            x, spare = spare, x
+        del poly
     return x
+
+
+def _spare(x: Tensor, needed: bool) -> Tensor | None:
+    """A second buffer like ``x`` to write iterates into, or None to allocate each one (with
+    autograd: ``out=`` does not support it, and saved iterates must not be overwritten)."""
+    return torch.empty_like(x) if needed and not (x.requires_grad and torch.is_grad_enabled()) else None
 
 
 # Restart the Gram iteration at step 2 and then every 4 steps (2, 6, 10, ...): at most three
@@ -264,8 +289,13 @@ def orthogonalization_flops(
     return flops
 
 
-def _gram_newton_schulz(x: Tensor, schedule: Sequence[tuple[float, float, float]], restarts: Collection[int]) -> Tensor:
-    """The same iteration run on the n x n Gram matrix of a batch (B, n, m), n <= m/2.
+def _gram_newton_schulz_(
+    box: list[Tensor], schedule: Sequence[tuple[float, float, float]], restarts: Collection[int]
+) -> Tensor:
+    """The same iteration run on the n x n Gram matrix of the batch (B, n, m), n <= m/2, in ``box``.
+
+    Like :func:`_newton_schulz_` it takes the batch out of ``box``, overwrites it and holds at
+    most one spare copy (for the restarts and the final ``Q X``).
 
     Each step is ``X <- P X`` with ``P = a I + b R + c R^2`` and ``R = X X^T``. Since P is a
     polynomial in R, ``X_k = Q_k X_0`` with ``Q <- P Q`` and ``R <- P R P``: all n x n products
@@ -282,16 +312,26 @@ def _gram_newton_schulz(x: Tensor, schedule: Sequence[tuple[float, float, float]
     every second step measured singular values up to 19 (Polar Express, 5 steps) and diverged to
     inf from 8 steps, so :func:`uses_gram` keeps bf16 and fp16 on the plain iteration.
     """
+    x = box.pop()
+    spare = _spare(x, True)
     gram = torch.bmm(x, x.mT)
     q: Tensor | None = None
     for i, (a, b, c) in enumerate(schedule):
         if i in restarts and q is not None:
-            x = torch.bmm(q, x)
+            if spare is None:
+                x = torch.bmm(q, x)
+            else:
+                torch.bmm(q, x, out=spare)
+                x, spare = spare, x
             gram = torch.bmm(x, x.mT)
             q = None
         poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
         poly.diagonal(dim1=-2, dim2=-1).add_(a)
         q = poly if q is None else torch.bmm(poly, q)
         if i + 1 < len(schedule) and i + 1 not in restarts:
-            gram = torch.bmm(poly, torch.bmm(gram, poly))
-    return x if q is None else torch.bmm(q, x)
+            # R <- P R P, the new R written over the old one once P R is formed.
+            gram = torch.bmm(poly, torch.bmm(gram, poly), out=None if spare is None else gram)
+    del gram, poly  # only Q is needed for the result
+    if q is None:
+        return x
+    return torch.bmm(q, x) if spare is None else torch.bmm(q, x, out=spare)
