@@ -11,7 +11,6 @@ from muonkit.config import MuonConfig
 from muonkit.distributed.base import Strategy
 from muonkit.functional.muon import muon_directions
 
-
 CPU_CHUNK_ELEMENTS = 2**22
 """Chunk budget on CPU (and devices other than CUDA): 16 MiB per fp32 copy of a chunk."""
 GPU_CHUNK_FRACTION = 64
