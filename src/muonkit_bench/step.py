@@ -2,7 +2,7 @@
 
 For each model (GPT-2-124M shapes, the benchmark GPT) the same gradients are fed to every
 method (:mod:`muonkit_bench.peers`): AdamW, HybridMuon, torch.optim.Muon + AdamW, DeepSpeed's
-single-device Muon. Step time: ``--warmup`` untimed steps, then ``--repeats`` timed steps
+single-device Muon. Step time: ``--warmup`` untimed steps (at least 2), then ``--repeats`` timed steps
 (synchronized on GPU), each after the same gradients are copied back in (DeepSpeed overwrites
 ``p.grad``); reported as the median with min and max. Beside each time, the quality of the
 orthogonalization of the first step, on one matrix of each shape::
@@ -12,8 +12,9 @@ orthogonalization of the first step, on one matrix of each shape::
     polar = ||O - P||_F / ||P||_F,  P = the exact polar factor of the gradient
 
 (at step one every method's momentum update is a multiple of the gradient, so all of them
-orthogonalize the same matrix). A second table runs HybridMuon with each coefficient preset and
-step count. Example::
+orthogonalize the same matrix), and the step's scratch memory: the peak bytes of the tensors an
+untimed second step allocates above weights, gradients and state (:mod:`muonkit_bench.live_bytes`).
+A second table runs HybridMuon with each coefficient preset and step count. Example::
 
     muonkit bench step                       # GPT-2-124M shapes and the benchmark GPT
     muonkit bench step --models tiny --repeats 2 --ns-steps 3,5
@@ -148,8 +149,11 @@ class Harness:
             torch.cuda.synchronize()
 
     def run(self, build: Any, *, warmup: int, repeats: int, muon: bool = True) -> dict[str, Any]:
-        """Build from fresh groups, measure the first step's error, then time ``repeats`` steps."""
+        """Build from fresh groups, measure the first step's error and the second's scratch memory,
+        then time ``repeats`` steps."""
         import torch
+
+        from muonkit_bench.live_bytes import LiveBytes
 
         self.reset()
         opt = build(self.groups())
@@ -163,7 +167,10 @@ class Harness:
                 scale = math.sqrt(max(1.0, p.shape[0] / p.shape[1]))  # every peer here uses Keller's
                 update = (before[i] - p.detach()).double() / (MUON_LR * scale)
                 errors["x".join(map(str, p.shape))] = orthogonality_error(update, self.polar[i])
-        for _ in range(max(0, warmup - 1)):
+        self.load_grads()  # a second untimed step, its scratch memory measured (state exists by now)
+        with LiveBytes() as live:
+            opt.step()
+        for _ in range(max(0, warmup - 2)):
             self.load_grads()
             opt.step()
         times = []
@@ -176,7 +183,8 @@ class Harness:
             times.append(time.perf_counter() - start)
         del opt
         torch.cuda.empty_cache() if self.device.startswith("cuda") else None
-        return {"times_s": times, **_time_summary(times), "errors": errors, **_error_summary(errors)}
+        summary = {"times_s": times, **_time_summary(times), "scratch_bytes": live.peak}
+        return {**summary, "errors": errors, **_error_summary(errors)}
 
 
 def _time_summary(times: list[float]) -> dict[str, float]:
@@ -239,13 +247,13 @@ def format_peers(model: str, rows: dict[str, Any], *, base: str = "hybrid_muon")
     adamw = rows.get("adamw")
     lines = [
         f"{model}: optimizer step (ms: median [min, max]); ratio = median / {base}'s; error on the first step",
-        f"{'method':<19} {'median':>9} {'[min':>9} {'max]':>9} {'ratio':>6} {'vs AdamW':>9}  {'max|s-1|':>9}  {'mean|s-1|':>9}  {'polar':>7}",
+        f"{'method':<19} {'median':>9} {'[min':>9} {'max]':>9} {'ratio':>6} {'vs AdamW':>9}  {'max|s-1|':>9}  {'mean|s-1|':>9}  {'polar':>7}  {'scratch MiB':>11}",
     ]
     for name, r in rows.items():
         vs_adamw = f"{r['median_s'] / adamw['median_s']:8.1f}x" if adamw else f"{'-':>9}"
         lines.append(
             f"{name:<19} {r['median_s'] * 1e3:9.1f} {r['min_s'] * 1e3:9.1f} {r['max_s'] * 1e3:9.1f} "
-            f"{r['median_s'] / ref['median_s']:6.2f} {vs_adamw}  {_fmt_err(r)}"
+            f"{r['median_s'] / ref['median_s']:6.2f} {vs_adamw}  {_fmt_err(r)}  {r['scratch_bytes'] / 2**20:11.1f}"
         )
     return "\n".join(lines)
 

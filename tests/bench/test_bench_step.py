@@ -60,6 +60,7 @@ def test_cli_smoke(tmp_path: Path) -> None:
     assert set(rows) == {"adamw", "hybrid_muon", "torch_muon", "deepspeed_standard"}
     for name, r in rows.items():
         assert r["median_s"] > 0
+        assert r["scratch_bytes"] > 0  # every method allocates something to step
         if name != "adamw":
             assert 0 <= r["mean_abs_s_minus_1"] < 1 and r["polar"] < 1
     presets = data["models"]["tiny"]["presets"]

@@ -320,6 +320,8 @@ def differences_to(
             continue
         for key in b:
             start, tol = (initial(i, zoo[i]), muon_tolerance(zoo[i])) if zoo and key == "param" else (None, None)
+            if zoo and key == "row_exp_avg_sq":  # NorMuon's row moments: from the orthogonalized matrices
+                start, tol = torch.zeros_like(b[key]), muon_tolerance(zoo[i])
             why = mismatch(a[key], b[key], initial=start, tol=tol)
             problems += [] if why is None else [f"param {i} {key}: {why}"]
     return problems

@@ -22,6 +22,8 @@ from muonkit.distributed.checkpoint import load_checkpoint, save_checkpoint
 CKPT_ZOO = [s for s in ZOO if s.dtype == torch.float32] + [
     ParamSpec("muon", (6, 6), skip_steps=(0, 1, 2)),
     ParamSpec("adamw", (6,), skip_steps=(0, 1, 2)),
+    ParamSpec("normuon", (7, 5)),  # row moments (one per row) through DCP, rows split unevenly
+    ParamSpec("normuon", (3, 6, 4)),  # per expert
 ]
 SAVE_AT, STEPS = 3, 6
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import torch
 from torch import Tensor
@@ -85,7 +85,7 @@ def orthogonalize(
         dtype: compute dtype of the matrix products, float32, bfloat16, float64 or (GPU only)
             float16 (default: :func:`default_compute_dtype`).
         method: ``"newton_schulz"`` (default) iterates on ``X``; ``"gram"`` iterates on the small
-            Gram matrix (:func:`_gram_newton_schulz`), the same polynomial in exact arithmetic and
+            Gram matrix (:func:`_gram_newton_schulz_`), the same polynomial in exact arithmetic and
             fewer FLOPs, where it is safe: aspect ratio >= 2 and fp32 or fp64 compute. Other
             shapes, and bf16 or fp16 compute, use ``"newton_schulz"`` (see :func:`uses_gram`).
     """
@@ -133,15 +133,23 @@ def orthogonalize_batches(
     for part in parts:
         _normalize_into(part.mT if tall else part, work[offset : offset + part.size(0)], norm_factor + eps)
         offset += part.size(0)
-    iterate = _gram_newton_schulz if uses_gram(short, long, method=method, dtype=compute) else _newton_schulz
-    out = iterate(work, schedule)
+    # The iterations overwrite ``work`` and take it over (``box``), so that it is not held here.
+    box = [work]
+    del work
+    if uses_gram(short, long, method=method, dtype=compute):
+        out = _gram_newton_schulz_(box, schedule, gram_restarts(len(schedule), compute))
+    else:
+        out = _newton_schulz_(box, schedule)
     out = out.mT if tall else out
     if out.dtype == first.dtype and scale == 1.0:
         return out
     # A dimensioned factor makes the product compute in the wider of the two dtypes (a Python
     # float would keep bf16 arithmetic): fp32(out) * scale, rounded once, in the same pass as the cast.
     wide = torch.promote_types(out.dtype, first.dtype)
-    return torch.mul(out, torch.full((1, 1, 1), scale, dtype=wide, device=first.device)).to(first.dtype)
+    factor = torch.full((1, 1, 1), scale, dtype=wide, device=first.device)
+    if out.dtype == first.dtype and not out.requires_grad:
+        return out.mul_(factor)  # out is this call's own buffer: scale it in place
+    return torch.mul(out, factor).to(first.dtype)
 
 
 def uses_gram(rows: int, cols: int, *, method: str, dtype: torch.dtype | None) -> bool:
@@ -150,7 +158,7 @@ def uses_gram(rows: int, cols: int, *, method: str, dtype: torch.dtype | None) -
     Only for ``method="gram"``, aspect ratio >= 2 (else it saves nothing) and fp32 or fp64
     compute (``dtype=None`` counts as fp32). In bf16 and fp16 the rounding of the tracked Gram
     matrix compounds between restarts until singular values leave the band or diverge, however
-    often it is restarted short of every step (measured: see :func:`_gram_newton_schulz`), so
+    often it is restarted short of every step (measured: see :func:`_gram_newton_schulz_`), so
     there ``"gram"`` runs the plain iteration.
     """
     m, n = sorted((rows, cols))
@@ -173,9 +181,10 @@ def _normalize_into(x: Tensor, out: Tensor, k: float) -> None:
     The norm is reduced from a contiguous copy when ``x`` is a strided view (a transposed or
     split layout, a tall matrix seen short side first): a reduction's summation order follows
     memory order, so this makes each matrix's result depend on its values alone, not on how the
-    caller stores them (one device passes views, the distributed owners stacked copies).
+    caller stores them (one device passes views, the distributed owners stacked copies). That
+    copy is ``out`` itself where the dtypes match (then normalized in place: no temporary).
     """
-    x = x.contiguous()
+    x = out.copy_(x) if not x.is_contiguous() and x.dtype == out.dtype else x.contiguous()
     if x.dtype != torch.float64:
         norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True, dtype=torch.float32)
         lo, hi = _TRUSTED_NORMS
@@ -191,13 +200,31 @@ def _normalize_into(x: Tensor, out: Tensor, k: float) -> None:
     torch.div(wide, torch.where(norm > 0, k * norm, torch.ones_like(norm)), out=out)
 
 
-def _newton_schulz(x: Tensor, schedule: Sequence[tuple[float, float, float]]) -> Tensor:
-    """The quintic iteration on a batch (B, m, n) with m <= n, in x's dtype."""
+def _newton_schulz_(box: list[Tensor], schedule: Sequence[tuple[float, float, float]]) -> Tensor:
+    """The quintic iteration on the batch (B, m, n), m <= n, in ``box`` (emptied), in its dtype.
+
+    The batch is overwritten: the iterates alternate between it and one spare buffer, so the
+    iteration holds two copies of the batch however many steps it runs (the caller holds none).
+    """
+    x = box.pop()
+    spare = _spare(x, len(schedule) > 1)
     for a, b, c in schedule:
         gram = torch.bmm(x, x.mT)
         poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
-        x = torch.baddbmm(x, poly, x, beta=a)
+        del gram  # not held during the large product
+        if spare is None:
+            x = torch.baddbmm(x, poly, x, beta=a)
+        else:
+            torch.baddbmm(x, poly, x, beta=a, out=spare)
+            x, spare = spare, x
+        del poly
     return x
+
+
+def _spare(x: Tensor, needed: bool) -> Tensor | None:
+    """A second buffer like ``x`` to write iterates into, or None to allocate each one (with
+    autograd: ``out=`` does not support it, and saved iterates must not be overwritten)."""
+    return torch.empty_like(x) if needed and not (x.requires_grad and torch.is_grad_enabled()) else None
 
 
 # Restart the Gram iteration at step 2 and then every 4 steps (2, 6, 10, ...): at most three
@@ -205,12 +232,37 @@ def _newton_schulz(x: Tensor, schedule: Sequence[tuple[float, float, float]]) ->
 # rank-1, power-law, Cauchy, clustered and Gaussian inputs (8x64 to 32x256, every preset, 5-100
 # steps; 768x3072 with polar_express and keller at 5-32 steps): restarts every 3, 4 or 5 steps all
 # hold the presets' bands (0 failures); a restart at step 2 alone fails from 10 steps (inf from
-# 12). Up to 6 steps that is the only restart, as before.
+# 12). Up to 6 steps that is the only restart.
 _GRAM_FIRST_RESTART, _GRAM_RESTART_EVERY = 2, 4
+# Up to this many steps the Gram iteration runs without any restart (see gram_restarts).
+_GRAM_NO_RESTART_UP_TO = {torch.float32: 5, torch.float64: 10}
 
 
-def gram_restarts(steps: int) -> tuple[int, ...]:
-    """The steps at which the Gram iteration rebuilds ``X`` and recomputes ``R = X X^T``."""
+def gram_restarts(steps: int, dtype: torch.dtype | None = None) -> tuple[int, ...]:
+    """The steps at which the Gram iteration rebuilds ``X`` and recomputes ``R = X X^T``.
+
+    A function of the compute ``dtype`` (None counts as fp32) and the step count, measured on
+    hard inputs (``tests/measure_gram.py``: condition 1e3 to 1e12, low rank, rank 1, power-law,
+    Cauchy, clustered, near-orthogonal, 1e-30 and 1e30 scales, Gaussian; 128x512 for every
+    preset and 3-12 steps, and GPT-2's 768x3072, 3072x768 and 768x2304), against the plain
+    iteration in the same dtype and in fp64:
+
+    - fp32, up to 5 steps (every preset's own count): no restart. Its relative distance to the
+      plain fp32 iteration is at most 4.5e-3 (Polar Express on 16x80 to 128x512 hard inputs;
+      3.5e-4 on GPT-2's 768x3072, 1.2e-4 with the restart), every output singular value stays in
+      the preset's band and the polar distance is unchanged to 4 digits;
+      dropping the restart saves 17% of the Gram FLOPs at 768x3072 (27.2 -> 22.6 GFLOP; plain
+      iteration 40.8) and 12% at 768x2304 (23.6 -> 20.8). From 6 steps the drift grows ~4x per step
+      (8.7e-3 at 6, 4.2e-2 at 7; singular values 1.75 at 8 steps, 1e17 at 10), so from 6 steps
+      the restarts above apply.
+    - fp64, up to 10 steps: no restart (distance to the plain fp64 iteration at most 1.1e-7 at
+      10 steps, 1.2e-5 at 12), then the restarts above.
+    - bf16 and fp16: the restarts above, which are not enough (singular values up to 33 at 6
+      steps, inf from 10; without the restart 1.9e13 at 5 steps): :func:`uses_gram` keeps these
+      dtypes on the plain iteration, so ``orthogonalize`` never runs this.
+    """
+    if steps <= _GRAM_NO_RESTART_UP_TO.get(dtype or torch.float32, 0):
+        return ()
     return tuple(range(_GRAM_FIRST_RESTART, steps, _GRAM_RESTART_EVERY))
 
 
@@ -228,7 +280,7 @@ def orthogonalization_flops(
     m, n = min(rows, cols), max(rows, cols)
     if not uses_gram(m, n, method=method, dtype=dtype):
         return steps * (4 * m * m * n + 2 * m**3)
-    restarts = gram_restarts(steps)
+    restarts = gram_restarts(steps, dtype)
     flops = 4 * m * m * n + len(restarts) * 4 * m * m * n
     for i in range(steps):
         flops += 2 * m**3 + (0 if i == 0 or i in restarts else 2 * m**3)
@@ -237,8 +289,13 @@ def orthogonalization_flops(
     return flops
 
 
-def _gram_newton_schulz(x: Tensor, schedule: Sequence[tuple[float, float, float]]) -> Tensor:
-    """The same iteration run on the n x n Gram matrix of a batch (B, n, m), n <= m/2.
+def _gram_newton_schulz_(
+    box: list[Tensor], schedule: Sequence[tuple[float, float, float]], restarts: Collection[int]
+) -> Tensor:
+    """The same iteration run on the n x n Gram matrix of the batch (B, n, m), n <= m/2, in ``box``.
+
+    Like :func:`_newton_schulz_` it takes the batch out of ``box``, overwrites it and holds at
+    most one spare copy (for the restarts and the final ``Q X``).
 
     Each step is ``X <- P X`` with ``P = a I + b R + c R^2`` and ``R = X X^T``. Since P is a
     polynomial in R, ``X_k = Q_k X_0`` with ``Q <- P Q`` and ``R <- P R P``: all n x n products
@@ -249,22 +306,32 @@ def _gram_newton_schulz(x: Tensor, schedule: Sequence[tuple[float, float, float]
     its rounding error (and negative eigenvalues where X is rank-deficient or ill-conditioned)
     grows by up to a^2 (66 for Polar Express's first step, 5.5 for its last) at each update, and a
     negative eigenvalue r makes ``a + b r + c r^2`` grow without bound. So at each step of
-    :func:`gram_restarts` ``X`` is rebuilt from ``Q`` and R recomputed from it. That bounds the
-    growth in fp32 and fp64 (fp32 error ~1e-7 times at most ~1e4); in bf16 (~4e-3) even a restart
+    ``restarts`` (:func:`gram_restarts`; none up to 5 steps in fp32, where the drift stays within
+    4.5e-3 of the plain iteration) ``X`` is rebuilt from ``Q`` and R recomputed from it. That
+    bounds the growth in fp32 and fp64 (fp32 error ~1e-7 times at most ~1e4); in bf16 (~4e-3) even a restart
     every second step measured singular values up to 19 (Polar Express, 5 steps) and diverged to
     inf from 8 steps, so :func:`uses_gram` keeps bf16 and fp16 on the plain iteration.
     """
-    restarts = gram_restarts(len(schedule))
+    x = box.pop()
+    spare = _spare(x, True)
     gram = torch.bmm(x, x.mT)
     q: Tensor | None = None
     for i, (a, b, c) in enumerate(schedule):
         if i in restarts and q is not None:
-            x = torch.bmm(q, x)
+            if spare is None:
+                x = torch.bmm(q, x)
+            else:
+                torch.bmm(q, x, out=spare)
+                x, spare = spare, x
             gram = torch.bmm(x, x.mT)
             q = None
         poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
         poly.diagonal(dim1=-2, dim2=-1).add_(a)
         q = poly if q is None else torch.bmm(poly, q)
         if i + 1 < len(schedule) and i + 1 not in restarts:
-            gram = torch.bmm(poly, torch.bmm(gram, poly))
-    return x if q is None else torch.bmm(q, x)
+            # R <- P R P, the new R written over the old one once P R is formed.
+            gram = torch.bmm(poly, torch.bmm(gram, poly), out=None if spare is None else gram)
+    del gram, poly  # only Q is needed for the result
+    if q is None:
+        return x
+    return torch.bmm(q, x) if spare is None else torch.bmm(q, x, out=spare)
