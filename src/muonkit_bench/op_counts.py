@@ -73,10 +73,18 @@ class OpCounts:
 class OpCounter(TorchDispatchMode):
     """Counts aten calls and blocking host reads into :attr:`counts` (see the module docstring)."""
 
-    def __init__(self, *, host: Iterable[torch.Tensor] | Callable[[], Iterable[torch.Tensor]] = ()) -> None:
+    def __init__(
+        self,
+        *,
+        host: Iterable[torch.Tensor] | Callable[[], Iterable[torch.Tensor]] = (),
+        device: str | torch.device = "cpu",
+    ) -> None:
+        """``device``: where the counted code computes; on an accelerator every CPU tensor is a host
+        tensor, on the CPU only those in ``host`` are."""
         super().__init__()
         self.counts = OpCounts()
         self._host = host
+        self._cpu_run = torch.device(device).type == "cpu"
         self._patched: dict[str, Callable[..., Any]] = {}
         self._inside_read = 0
 
@@ -117,6 +125,8 @@ class OpCounter(TorchDispatchMode):
             return False
         if t.device.type != "cpu":
             return True
+        if not self._cpu_run:
+            return False
         host = self._host() if callable(self._host) else self._host  # a callable: asked at each read
         return all(_storage(h) != _storage(t) for h in host)
 
@@ -157,10 +167,13 @@ def _storage(t: torch.Tensor) -> int:
 
 
 def count_ops(
-    fn: Callable[[], Any], *, host: Iterable[torch.Tensor] | Callable[[], Iterable[torch.Tensor]] = ()
+    fn: Callable[[], Any],
+    *,
+    host: Iterable[torch.Tensor] | Callable[[], Iterable[torch.Tensor]] = (),
+    device: str | torch.device = "cpu",
 ) -> OpCounts:
     """Run ``fn()`` under an :class:`OpCounter` and return its counts."""
-    with OpCounter(host=host) as counts:
+    with OpCounter(host=host, device=device) as counts:
         fn()
     return counts
 
