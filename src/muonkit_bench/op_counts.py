@@ -20,6 +20,8 @@ stands in for a device run (every tensor is "on the device") except the tensors 
 ``host=``, those that would be on the CPU in a device run too (AdamW step counters, which
 torch.optim and muonkit keep on the CPU): reads of them are free on a GPU and are not counted.
 ``host`` may be a callable, asked at each read (step counters a first step creates).
+:func:`count_ops` on the CPU runs muonkit's accelerator path (:func:`as_on_an_accelerator`): on
+the CPU itself muonkit reads values where a read waits for nothing and that is cheaper.
 
 Example::
 
@@ -30,15 +32,17 @@ Example::
 
 from __future__ import annotations
 
+import importlib
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["HOST_READ_OPS", "OpCounter", "OpCounts", "count_ops", "step_tensors"]
+__all__ = ["HOST_READ_OPS", "OpCounter", "OpCounts", "as_on_an_accelerator", "count_ops", "step_tensors"]
 
 HOST_READ_OPS = frozenset(
     {
@@ -166,14 +170,33 @@ def _storage(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr() if t.device.type != "meta" else id(t)
 
 
+@contextmanager
+def as_on_an_accelerator() -> Iterator[None]:
+    """muonkit's steps run their accelerator path on the CPU (for counting): no decision read to the host.
+
+    On the CPU, where a read waits for nothing, muonkit reads values when that is cheaper
+    (:func:`muonkit.functional.orthogonalize.host_read_waits`); a CPU run that stands in for a
+    device run counts the path a device takes.
+    """
+    orthogonalize: Any = importlib.import_module("muonkit.functional.orthogonalize")  # the module, not the function
+    saved = orthogonalize.SYNCHRONOUS_DEVICES
+    orthogonalize.SYNCHRONOUS_DEVICES = frozenset()
+    try:
+        yield
+    finally:
+        orthogonalize.SYNCHRONOUS_DEVICES = saved
+
+
 def count_ops(
     fn: Callable[[], Any],
     *,
     host: Iterable[torch.Tensor] | Callable[[], Iterable[torch.Tensor]] = (),
     device: str | torch.device = "cpu",
 ) -> OpCounts:
-    """Run ``fn()`` under an :class:`OpCounter` and return its counts."""
-    with OpCounter(host=host, device=device) as counts:
+    """Run ``fn()`` under an :class:`OpCounter` and return its counts; on the CPU
+    :func:`as_on_an_accelerator`."""
+    cpu = torch.device(device).type == "cpu"
+    with as_on_an_accelerator() if cpu else nullcontext(), OpCounter(host=host, device=device) as counts:
         fn()
     return counts
 
