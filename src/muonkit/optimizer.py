@@ -108,9 +108,11 @@ class HybridMuon(Optimizer):
             e.g. from a diverging Newton-Schulz schedule) does. ``"skip"`` (default): the whole
             step is skipped on every group and rank, a warning is logged and ``skipped_steps``
             counts it; costs one norm pass over the gradients and directions, one blocking read
-            of the device per step (after all of the step's directions are launched), and holding every Muon direction until the verdict (one fp32 copy of the local
-            Muon params). ``"raise"``: ``FloatingPointError`` before anything changes.
-            ``"unchecked"``: no check; each chunk is applied as soon as it is computed.
+            of the device per step (the verdict, read after all of the step's directions are
+            launched; on the CPU reads wait for nothing) and holding every Muon direction until
+            the verdict (one fp32 copy of the local Muon params). ``"raise"``:
+            ``FloatingPointError`` before anything changes. ``"unchecked"``: no check and no
+            read; each chunk is applied as soon as it is computed.
         process_group: for DDP, the process group the gradients are averaged over.
         strategy: an explicit :class:`muonkit.distributed.Strategy` (advanced).
 
