@@ -38,6 +38,7 @@ from muonkit.foreign_state import muonkit_group
 from muonkit.functional.adamw import adamw_
 from muonkit.functional.muon import momentum_, muon_apply_, muon_update
 from muonkit.functional.normuon import normuon_rows
+from muonkit.functional.orthogonalize import host_read_waits
 from muonkit.shapes import full_shape
 
 logger = logging.getLogger(__name__)
@@ -122,10 +123,12 @@ class HybridMuon(Optimizer):
         nonfinite: what a non-finite gradient or Muon update (direction after orthogonalization,
             e.g. from a diverging Newton-Schulz schedule) does. ``"skip"`` (default): the whole
             step is skipped on every group and rank, a warning is logged and ``skipped_steps``
-            counts it; costs one norm pass over the gradients and directions, one host sync per
-            step, and holding every Muon direction until the verdict (one fp32 copy of the local
-            Muon params). ``"raise"``: ``FloatingPointError`` before anything changes.
-            ``"unchecked"``: no check; each chunk is applied as soon as it is computed.
+            counts it; costs one norm pass over the gradients and directions, one blocking read
+            of the device per step (the verdict, read after all of the step's directions are
+            launched; on the CPU reads wait for nothing) and holding every Muon direction until
+            the verdict (one fp32 copy of the local Muon params). ``"raise"``:
+            ``FloatingPointError`` before anything changes. ``"unchecked"``: no check and no
+            read; each chunk is applied as soon as it is computed.
         process_group: for DDP, the process group the gradients are averaged over.
         strategy: an explicit :class:`muonkit.distributed.Strategy` (advanced).
 
@@ -338,15 +341,17 @@ class HybridMuon(Optimizer):
         ]
         if self.nonfinite != "unchecked":
             # Two phases: every direction is computed (and held) before the verdict, so a
-            # non-finite one anywhere leaves everything untouched. Unchecked, each chunk is
-            # applied as soon as it is computed: the scratch memory of one chunk.
+            # non-finite one anywhere leaves everything untouched. The verdict is the step's one
+            # blocking read of the device, taken once all of its directions are launched.
+            # Unchecked, each chunk is applied as soon as it is computed (the scratch memory of
+            # one chunk) and nothing is read.
             chunks = [list(c) for c in chunks]
             if not self._finite_or_skip(work, cast(list[list[_MuonChunk]], chunks)):
                 return loss
         for config, params, pending in zip(configs, work, chunks, strict=True):
             if isinstance(config, MuonConfig):
-                for chunk in pending:
-                    self._commit_muon(chunk, config)
+                for batch in _commit_batches(pending):
+                    self._commit_muon(batch, config)
             else:
                 self._adamw_step(params, cast(AdamWConfig, config))
         return loss
@@ -379,13 +384,14 @@ class HybridMuon(Optimizer):
     def _finite_or_skip(self, work: list[list[Tensor]], chunks: list[list[_MuonChunk]]) -> bool:
         """Whether to apply the step: every gradient and every Muon direction finite on every rank.
 
-        One agreement for both (one tiny all-reduce when distributed), one host read per device.
+        One agreement for both (one tiny all-reduce when distributed) and, on accelerators, one
+        blocking read: the verdict is computed on the device (:func:`_finite_flags`) and read once.
         """
         grads = [self.strategy.local(cast(Tensor, p.grad)) for params in work for p in params]
         if not grads:
             return True
         directions = [d for group in chunks for chunk in group for d in chunk.directions]
-        grads_ok, updates_ok = self.strategy.all_true(_all_finite([grads, directions]))
+        grads_ok, updates_ok = self.strategy.all_true(_finite_flags([grads, directions]))
         if grads_ok and updates_ok:
             return True
         what = "gradient" if not grads_ok else "Muon update from finite gradients"
@@ -411,7 +417,7 @@ class HybridMuon(Optimizer):
             group = [params[i] for i in chunk]
             buffers = [self._momentum_buffer(p) for p in group]
             grads = [local(cast(Tensor, p.grad)) for p in group]
-            updates = muon_update(
+            updates = muon_update(  # the whole chunk in one foreach call
                 [local(b) for b in buffers], grads, momentum=config.momentum, nesterov=config.nesterov
             )
             if config.normuon:
@@ -436,24 +442,32 @@ class HybridMuon(Optimizer):
             rows = torch.zeros(count, dtype=self._state_dtype(p), device=p.device)
         return rows
 
-    def _commit_muon(self, chunk: _MuonChunk, config: MuonConfig) -> None:
-        """Store and advance the momentum the directions were computed from, then apply them."""
+    def _commit_muon(self, chunks: Sequence[_MuonChunk], config: MuonConfig) -> None:
+        """Store and advance the momentum the directions were computed from, then apply them.
+
+        Every chunk given is committed by the same few ``_foreach`` calls (see :func:`_commit_batches`).
+        """
         local = self.strategy.local
-        for p, buffer in zip(chunk.params, chunk.buffers, strict=True):
+        params = [p for chunk in chunks for p in chunk.params]
+        buffers = [b for chunk in chunks for b in chunk.buffers]
+        directions = [d for chunk in chunks for d in chunk.directions]
+        for p, buffer in zip(params, buffers, strict=True):
             self.state[p]["momentum_buffer"] = buffer
-        if chunk.rows is not None:
-            for p, rows in zip(chunk.params, chunk.rows, strict=True):
-                self.state[p][_ROWS] = rows
-        grads = [local(cast(Tensor, p.grad)) for p in chunk.params]
-        momentum_([local(b) for b in chunk.buffers], grads, momentum=config.momentum)
+        for chunk in chunks:
+            if chunk.rows is not None:
+                for p, rows in zip(chunk.params, chunk.rows, strict=True):
+                    self.state[p][_ROWS] = rows
+        grads = [local(cast(Tensor, p.grad)) for p in params]
+        momentum_([local(b) for b in buffers], grads, momentum=config.momentum)
         muon_apply_(
-            [local(p) for p in chunk.params],
-            chunk.directions,
+            [local(p) for p in params],
+            directions,
             lr=config.lr,
             weight_decay=config.weight_decay,
             cautious_wd=config.cautious_wd,
         )
-        chunk.directions.clear()  # free them now, not when the next chunk replaces this one
+        for chunk in chunks:
+            chunk.directions.clear()  # free them now, not when the next chunk replaces this one
 
     def _adamw_step(self, params: list[Tensor], config: AdamWConfig) -> None:
         if not params:
@@ -620,36 +634,72 @@ def _warn_no_gradients(groups: Sequence[Mapping[str, Any]]) -> None:
     )
 
 
-def _all_finite(lists: Sequence[Sequence[Tensor]]) -> Tensor:
-    """For each list of tensors, whether every element of every tensor is finite: a CPU bool vector.
+def _commit_batches(chunks: Iterable[_MuonChunk]) -> Iterator[list[_MuonChunk]]:
+    """The chunks of a group to commit together: all of them when they are held (a checked step)
+    and their params are fp32 or fp64, so a group's commit is a few ``_foreach`` calls; one at a
+    time otherwise (unchecked, a chunk is applied as it comes; a low-precision param is updated
+    through an fp32 copy, which one chunk at a time keeps the size of a chunk)."""
+    if not isinstance(chunks, list):
+        for chunk in chunks:
+            yield [chunk]
+        return
+    if all(p.dtype in (torch.float32, torch.float64) for chunk in chunks for p in chunk.params):
+        if chunks:
+            yield chunks
+        return
+    for chunk in chunks:
+        yield [chunk]
 
-    The fast path is one fused L2 norm per tensor (finite iff the tensor is, unless its sum of
-    squares overflows, e.g. values above ~1e19) and one host read per device for all lists. Only
-    a list that this calls non-finite gets the exact check (min and max per tensor), so a finite
-    but huge tensor is never mistaken for inf. ``_foreach_norm(ord=inf)`` would be exact in one
-    pass but is several times slower on CPU (BENCHMARKS.md). Empty tensors (a rank's empty FSDP2
+
+def _finite_flags(lists: Sequence[Sequence[Tensor]]) -> Tensor:
+    """For each list of tensors, whether every element of every tensor is finite: a bool vector.
+
+    On accelerators (:func:`~muonkit.functional.orthogonalize.host_read_waits`) it is computed on
+    the device and nothing is read: per list and device one max-abs (``_foreach_norm(ord=inf)``,
+    exact, as fast as any reduction there); the vector lives on the first such device. On the
+    CPU, where reads are free, :func:`_finite_on_host`. Empty tensors (a rank's empty FSDP2
     shards) are finite.
     """
-    nonempty = [[t for t in ts if t.numel() > 0] for ts in lists]
-    ok = _finite_by_device([torch._foreach_norm(ts) if ts else [] for ts in nonempty])
-    for k, ts in enumerate(nonempty):
-        if not ok[k]:
-            ok[k] = _finite_by_device([[x for t in ts for x in torch.aminmax(t)]])[0]
-    return torch.tensor(ok)
+    flags: list[bool | list[Tensor]] = []
+    for ts in lists:
+        by_device: dict[torch.device, list[Tensor]] = {}
+        for t in ts:
+            if t.numel() > 0:
+                by_device.setdefault(t.device, []).append(t)
+        host = [xs for device, xs in by_device.items() if not host_read_waits(device)]
+        if not all(_finite_on_host(xs) for xs in host):
+            flags.append(False)
+            continue
+        flags.append(
+            [
+                torch.stack(torch._foreach_norm(xs, float("inf"))).max().lt(math.inf)  # NaN and inf: False
+                for device, xs in by_device.items()
+                if host_read_waits(device)
+            ]
+        )
+    devices = [f[0].device for f in flags if isinstance(f, list) and f]
+    if not devices:
+        return torch.tensor([f is not False for f in flags])
+    parts = [
+        torch.tensor(f, device=devices[0])
+        if isinstance(f, bool)
+        else torch.stack([x.to(devices[0]) for x in f]).all()
+        if f
+        else torch.tensor(True, device=devices[0])
+        for f in flags
+    ]
+    return torch.stack(parts)
 
 
-def _finite_by_device(lists: Sequence[Sequence[Tensor]]) -> list[bool]:
-    """For each list of scalar tensors, whether all are finite; one host read per device."""
-    by_device: dict[torch.device, list[tuple[int, Tensor]]] = {}
-    for k, xs in enumerate(lists):
-        for x in xs:
-            by_device.setdefault(x.device, []).append((k, x))
-    ok = [True] * len(lists)
-    for pairs in by_device.values():
-        finite = torch.stack([x for _, x in pairs]).isfinite().tolist()
-        for (k, _), f in zip(pairs, finite, strict=True):
-            ok[k] = ok[k] and f
-    return ok
+def _finite_on_host(ts: Sequence[Tensor]) -> bool:
+    """Whether every element is finite, with host reads (free on the CPU): one fused L2 norm per
+    tensor and one read; only if a norm is not finite, the exact check (min and max per tensor),
+    so a finite tensor whose sum of squares overflows (values above ~1e19) is never mistaken for
+    inf. ``_foreach_norm(ord=inf)`` would be exact in one pass but is several times slower on CPU
+    (BENCHMARKS.md)."""
+    if all(torch.stack(torch._foreach_norm(list(ts))).isfinite().tolist()):
+        return True
+    return all(math.isfinite(float(x)) for t in ts for x in torch.aminmax(t))
 
 
 def _check_state_fits(state: Mapping[str, Any], p: Tensor, local: Callable[[Tensor], Tensor], group: int) -> None:

@@ -33,8 +33,10 @@ from muonkit.functional.coefficients import resolve_preset
 
 __all__ = [
     "METHODS",
+    "SYNCHRONOUS_DEVICES",
     "default_compute_dtype",
     "gram_restarts",
+    "host_read_waits",
     "orthogonalization_flops",
     "orthogonalize",
     "orthogonalize_batches",
@@ -129,10 +131,7 @@ def orthogonalize_batches(
     work = torch.empty((sum(p.size(0) for p in parts), short, long), dtype=compute, device=first.device)
     if work.numel() == 0:  # no matrices, or matrices with no rows or columns: nothing to do
         return torch.empty((work.size(0), first.size(-2), first.size(-1)), dtype=first.dtype, device=first.device)
-    offset = 0
-    for part in parts:
-        _normalize_into(part.mT if tall else part, work[offset : offset + part.size(0)], norm_factor + eps)
-        offset += part.size(0)
+    _normalize_into(parts, work, norm_factor + eps, transpose=tall)
     # The iterations overwrite ``work`` and take it over (``box``), so that it is not held here.
     box = [work]
     del work
@@ -141,15 +140,14 @@ def orthogonalize_batches(
     else:
         out = _newton_schulz_(box, schedule)
     out = out.mT if tall else out
-    if out.dtype == first.dtype and scale == 1.0:
-        return out
-    # A dimensioned factor makes the product compute in the wider of the two dtypes (a Python
-    # float would keep bf16 arithmetic): fp32(out) * scale, rounded once, in the same pass as the cast.
-    wide = torch.promote_types(out.dtype, first.dtype)
-    factor = torch.full((1, 1, 1), scale, dtype=wide, device=first.device)
-    if out.dtype == first.dtype and not out.requires_grad:
-        return out.mul_(factor)  # out is this call's own buffer: scale it in place
-    return torch.mul(out, factor).to(first.dtype)
+    if out.dtype == first.dtype:
+        return out if scale == 1.0 else out.mul_(scale)  # this call's own buffer: scaled in place
+    if scale != 1.0 and torch.promote_types(out.dtype, first.dtype) == out.dtype:
+        # A compute dtype wider than the parts' (fp32 for bf16 params): scale there, round once.
+        return out.mul_(scale).to(first.dtype)
+    # A narrower one (bf16 for fp32 params): the cast is exact, the product rounded once.
+    out = out.to(first.dtype)
+    return out if scale == 1.0 else out.mul_(scale)
 
 
 def uses_gram(rows: int, cols: int, *, method: str, dtype: torch.dtype | None) -> bool:
@@ -165,32 +163,93 @@ def uses_gram(rows: int, cols: int, *, method: str, dtype: torch.dtype | None) -
     return method == "gram" and 2 * m <= n and dtype in (None, torch.float32, torch.float64)
 
 
+SYNCHRONOUS_DEVICES: frozenset[str] = frozenset({"cpu"})
+"""Device types whose ops finish before they return, so reading a result waits for nothing."""
+
+
+def host_read_waits(device: torch.device) -> bool:
+    """Whether reading a value of a tensor on ``device`` makes the host wait for the device.
+
+    Not on the CPU (its ops run synchronously): there muonkit takes the cheapest exact path even
+    when it reads a value (an fp32 norm and its range, below). On accelerators it keeps every
+    decision of a step on the device, so the host can run ahead launching work.
+    """
+    return device.type not in SYNCHRONOUS_DEVICES
+
+
+def _normalize_into(parts: Sequence[Tensor], out: Tensor, k: float, *, transpose: bool) -> None:
+    """``out = cat(parts) / (k * ||x||_F)`` per matrix ``x`` (zero stays zero), cast to ``out``'s dtype.
+
+    ``transpose``: write each part's transpose (a tall matrix seen short side first). Every
+    finite scale works (1e-40 or 1e30 gives what 1 gives), by two routes:
+
+    - where a host read waits for nothing (:func:`host_read_waits`, the CPU), per part one fp32
+      norm, a check of its range and, inside it, one fused scale-and-cast pass
+      (:func:`_normalize_checked_into`);
+    - on accelerators, no host read and a few calls for the whole batch: one fused norm of every
+      matrix (``_foreach_norm``), reduced and applied in float64, where the sum of squares of any
+      finite fp32, bf16 or fp16 matrix neither overflows nor underflows, so no range check is
+      needed; then one scale-and-cast pass per part. fp64 input (and devices without fp64) go
+      through a pre-division by ``max|x|`` (:func:`_normalize_wide_into`), read-free as well.
+
+    The norm is reduced from a contiguous copy when a part is a strided view (a transposed or
+    split layout): a reduction's summation order follows memory order, so this makes each
+    matrix's result depend on its values alone, not on how the caller stores them (one device
+    passes views, the distributed owners stacked copies).
+    """
+    wide = torch.float64 if out.device.type not in _NO_FP64 else torch.float32
+    checked = not host_read_waits(out.device)
+    if checked or parts[0].dtype == torch.float64 or wide != torch.float64:
+        offset = 0
+        for part in parts:
+            target = out[offset : offset + part.size(0)]
+            x = part.mT if transpose else part
+            _normalize_checked_into(x, target, k) if checked else _normalize_wide_into(x, target, k)
+            offset += part.size(0)
+        return
+    parts = [part.contiguous() for part in parts]
+    matrices = [m for part in parts for m in ((part,) if part.size(0) == 1 else part.unbind(0))]
+    norms = torch.stack(torch._foreach_norm(matrices, 2, dtype=wide))
+    # A zero matrix stays zero: its norm is raised to the least normal float64, whose
+    # reciprocal is finite; every nonzero fp32/bf16/fp16 norm is far above it.
+    scales = norms.mul_(k).clamp_min_(torch.finfo(wide).tiny).reciprocal_().view(-1, 1, 1)
+    if len(parts) == 1:
+        torch.mul(parts[0].mT if transpose else parts[0], scales, out=out)
+        return
+    sizes = [part.size(0) for part in parts]
+    for part, scale, target in zip(parts, scales.split(sizes), out.split(sizes), strict=True):
+        torch.mul(part.mT if transpose else part, scale, out=target)
+
+
+_NO_FP64 = ("mps",)
+"""Device types without float64 arithmetic: their normalization pre-divides by ``max|x|``."""
+
 # Frobenius norms in this range are computed without overflow or underflow by a plain fp32
 # reduction (its sum of squares stays within fp32's normal range).
 _TRUSTED_NORMS = (1e-15, 1e18)
 
 
-def _normalize_into(x: Tensor, out: Tensor, k: float) -> None:
-    """``out = x / (k * ||x||_F)`` per matrix (zero stays zero), cast to ``out``'s dtype.
+def _normalize_checked_into(x: Tensor, out: Tensor, k: float) -> None:
+    """One part of :func:`_normalize_into` where reads are free: an fp32 norm and one fused
+    scale-and-cast pass when the norm is in the range a plain fp32 reduction gets right (entries
+    between ~1e-17 and ~1e18), else (and for fp64 input) :func:`_normalize_wide_into`.
 
-    Fast path: one fp32 norm reduction and one fused scale-and-cast pass. Norms outside the range
-    a plain fp32 reduction gets right (entries above ~1e18 or below ~1e-17), and fp64 input, go
-    through a pre-division by ``max|x|`` in fp32 (fp64 for fp64 input), so every finite scale
-    works. Checking the range costs one host sync per batch (free on CPU).
-
-    The norm is reduced from a contiguous copy when ``x`` is a strided view (a transposed or
-    split layout, a tall matrix seen short side first): a reduction's summation order follows
-    memory order, so this makes each matrix's result depend on its values alone, not on how the
-    caller stores them (one device passes views, the distributed owners stacked copies). That
-    copy is ``out`` itself where the dtypes match (then normalized in place: no temporary).
-    """
+    A strided ``x`` is reduced from a contiguous copy (see :func:`_normalize_into`); that copy is
+    ``out`` itself where the dtypes match (then normalized in place: no temporary)."""
     x = out.copy_(x) if not x.is_contiguous() and x.dtype == out.dtype else x.contiguous()
     if x.dtype != torch.float64:
         norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True, dtype=torch.float32)
         lo, hi = _TRUSTED_NORMS
-        if bool(((norm >= lo) & (norm <= hi)).all()):
+        if bool(((norm >= lo) & (norm <= hi)).all()):  # a host read: free where this runs
             torch.mul(x, (k * norm).reciprocal_(), out=out)
             return
+    _normalize_wide_into(x, out, k)
+
+
+def _normalize_wide_into(x: Tensor, out: Tensor, k: float) -> None:
+    """:func:`_normalize_into` for one part by pre-division by ``max|x|`` (fp64 input, devices
+    without fp64): right at every finite scale too, at two more passes."""
+    x = x.contiguous()
     # fp64 stays fp64: casting it to fp32 first would overflow above ~3e38, flush values below
     # ~1e-45 to zero, and cap a float64 Newton-Schulz at fp32 accuracy.
     wide = x.to(torch.promote_types(x.dtype, torch.float32))
