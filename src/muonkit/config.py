@@ -32,7 +32,7 @@ Algorithm = Literal["muon", "adamw"]
 ALGORITHMS: tuple[str, ...] = ("muon", "adamw")
 MUON_KEYS = (
     "lr", "momentum", "nesterov", "ns_coefficients", "ns_steps", "eps", "weight_decay",
-    "adjust_lr", "layout", "split_sizes", "ns_dtype", "ns_method",
+    "adjust_lr", "layout", "split_sizes", "ns_dtype", "ns_method", "ns_compile",
 )  # fmt: skip
 ADAMW_KEYS = ("lr", "betas", "eps", "weight_decay")
 SCHEDULER_KEYS = ("initial_lr", "max_lr", "min_lr", "base_momentum", "max_momentum", "swa_lr")
@@ -88,6 +88,8 @@ class Defaults:
     adamw_eps: float = 1e-8
     adamw_weight_decay: float = 0.0
     nonfinite: Literal["skip", "raise", "unchecked"] = "skip"
+    capturable: bool = False
+    ns_compile: bool = False
 
 
 DEFAULTS = Defaults()
@@ -111,10 +113,19 @@ class MuonConfig:
     layout: MatrixLayout
     ns_dtype: torch.dtype | None
     ns_method: str = "gram"
+    ns_compile: bool = False
 
     @property
     def ns_options(self) -> NSOptions:
-        return NSOptions(self.ns_coefficients, self.ns_steps, self.eps, self.ns_dtype, self.adjust_lr, self.ns_method)
+        return NSOptions(
+            self.ns_coefficients,
+            self.ns_steps,
+            self.eps,
+            self.ns_dtype,
+            self.adjust_lr,
+            self.ns_method,
+            self.ns_compile,
+        )
 
     def flops(self, rows: int, cols: int) -> int:
         """Matrix-product FLOPs of orthogonalizing one ``rows x cols`` matrix with these settings."""
@@ -187,6 +198,7 @@ def _muon_config(g: Mapping[str, Any]) -> MuonConfig:
         layout=MatrixLayout(layout, split_sizes),
         ns_dtype=ns_dtype,
         ns_method=ns_method,
+        ns_compile=_bool("ns_compile", g.get("ns_compile", False)),
     )
 
 
@@ -235,6 +247,8 @@ def key_hint(key: Any, allowed: Sequence[str]) -> str:
     """`` (did you mean 'adjust_lr'?)`` and the like for an unknown ``key``, or ``""``."""
     if not isinstance(key, str):
         return ""
+    if key == "capturable":
+        return " (capturable is an optimizer keyword, not a group key: HybridMuon(..., capturable=True))"
     if key in TORCH_ONLY_KEYS:
         return f" (torch.optim's {key} option is not supported)"
     if key in KEY_ALIASES and KEY_ALIASES[key] in allowed:

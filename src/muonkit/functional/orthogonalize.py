@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -33,6 +34,7 @@ from muonkit.functional.coefficients import resolve_preset
 
 __all__ = [
     "METHODS",
+    "compiled_iteration",
     "default_compute_dtype",
     "gram_restarts",
     "orthogonalization_flops",
@@ -54,7 +56,7 @@ def default_compute_dtype(device: torch.device | str) -> torch.dtype:
     return torch.float32
 
 
-@functools.cache
+@torch.compiler.assume_constant_result  # a constant to torch.compile, not a call it cannot trace
 def _cpu_has_fast_bf16() -> bool:
     cpu = torch.cpu
     checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
@@ -106,12 +108,14 @@ def orthogonalize_batches(
     dtype: torch.dtype | None = None,
     method: str = "newton_schulz",
     scale: float = 1.0,
+    compiled: bool = False,
 ) -> Tensor:
     """``scale * orthogonalize(cat(parts))`` for batches ``(b_i, m, n)`` of one matrix shape.
 
     The parts are normalized straight into one compute-dtype batch (no fp32 concatenation), and
     the result, ``(sum b_i, m, n)`` in the parts' dtype, is scaled in that dtype as it is cast
     back: the Muon step's batching and lr shape scale at no extra pass over the data.
+    ``compiled=True`` runs the iteration through ``torch.compile`` (:func:`compiled_iteration`).
     """
     first = parts[0]
     if first.is_complex() or not first.is_floating_point():
@@ -134,7 +138,7 @@ def orthogonalize_batches(
         _normalize_into(part.mT if tall else part, work[offset : offset + part.size(0)], norm_factor + eps)
         offset += part.size(0)
     iterate = _gram_newton_schulz if uses_gram(short, long, method=method, dtype=compute) else _newton_schulz
-    out = iterate(work, schedule)
+    out = (compiled_iteration(iterate) if compiled else iterate)(work, schedule)
     out = out.mT if tall else out
     if out.dtype == first.dtype and scale == 1.0:
         return out
@@ -142,6 +146,17 @@ def orthogonalize_batches(
     # float would keep bf16 arithmetic): fp32(out) * scale, rounded once, in the same pass as the cast.
     wide = torch.promote_types(out.dtype, first.dtype)
     return torch.mul(out, torch.full((1, 1, 1), scale, dtype=wide, device=first.device)).to(first.dtype)
+
+
+@functools.cache
+def compiled_iteration(iterate: Callable[[Tensor, Sequence[tuple[float, float, float]]], Tensor]) -> Any:
+    """``torch.compile(iterate, fullgraph=True)``, made once per iteration function.
+
+    The schedule's loop is unrolled and its coefficients are constants of the graph; torch.compile
+    recompiles for a new schedule, and after a second batch shape makes the shapes dynamic. Under
+    ``TORCH_COMPILE_DISABLE=1`` (or ``torch._dynamo.config.disable``) it runs ``iterate`` eagerly.
+    """
+    return torch.compile(iterate, fullgraph=True)
 
 
 def uses_gram(rows: int, cols: int, *, method: str, dtype: torch.dtype | None) -> bool:
