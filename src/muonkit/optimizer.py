@@ -385,12 +385,13 @@ class HybridMuon(Optimizer):
             return [(g["lr"], g["weight_decay"]) for g in self.param_groups]
         return [(c.lr, c.weight_decay) for c in configs]
 
-    def _hold_rates(self, group: dict[str, Any], index: int) -> None:
+    def _hold_rates(self, group: dict[str, Any], index: int, *, adopt: bool = True) -> None:
         """Make ``group``'s ``lr`` and ``weight_decay`` its persistent 0-dim device tensors (capturable).
 
-        A tensor already on the params' device in the rate dtype stays as it is (torch's lr
-        schedulers ``fill_`` it); any other value is checked, then copied in place into the tensor
-        the group held before (the one a compiled or captured step reads), made at the first call.
+        A tensor already on the params' device in the rate dtype is adopted as it is (torch's lr
+        schedulers ``fill_`` it), unless ``adopt=False`` (a loaded state); any other value is
+        checked, then copied in place into the tensor the group held before (the one a compiled or
+        captured step reads), made at the first call.
         """
         if not group["params"]:
             return
@@ -399,7 +400,9 @@ class HybridMuon(Optimizer):
         held = self._held_rates[index]
         for key in _RATES:
             value = group[key]
-            if isinstance(value, Tensor) and value.ndim == 0 and value.device == device and value.dtype == dtype:
+            if value is held.get(key) or (
+                adopt and isinstance(value, Tensor) and value.ndim == 0 and value.device == device and value.dtype == dtype
+            ):
                 held[key] = value
                 continue
             number = nonneg(f"{key} (param group {index})", value)
@@ -571,7 +574,11 @@ class HybridMuon(Optimizer):
             for key, value in before.items():
                 group.setdefault(key, value)
             if self.capturable:
-                self._hold_rates(group, index)
+                self._hold_rates(group, index, adopt=False)
+            else:  # a capturable optimizer's rate tensors load as numbers where these were numbers
+                for key in _RATES:
+                    if isinstance(group[key], Tensor) and not isinstance(before[key], Tensor):
+                        group[key] = float(group[key])
         # torch casts float states to the param dtype and keeps the caller's tensors; redo both.
         params = [p for g in self.param_groups for p in g["params"]]
         for pid, p in zip(ids, params, strict=True):
