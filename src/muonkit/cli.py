@@ -1,8 +1,9 @@
 """The ``muonkit`` command: ``muonkit inspect``, ``muonkit bench <name>``, ``muonkit convert-deepspeed``.
 
-Each benchmark lives in its own module under :mod:`muonkit.bench` and exposes ``HELP`` (one
-line), ``add_arguments(parser)`` and ``main(args) -> int``. The CLI configures logging; the
-library never does. Under torchrun only rank 0 logs at INFO.
+``muonkit bench`` is the benchmark suite, a separate package (:mod:`muonkit_bench`, installed by
+the ``bench`` extra) that this module reaches by name only when it is installed; the library
+never imports it. The CLI configures logging; the library never does. Under torchrun only rank 0
+logs at INFO.
 """
 
 from __future__ import annotations
@@ -14,27 +15,26 @@ import os
 import sys
 from collections.abc import Sequence
 from types import ModuleType
+from typing import Any
 
 from muonkit.integrations import deepspeed_convert
 
-BENCHES: dict[str, str] = {
-    "nanogpt": "muonkit.bench.nanogpt",
-    "step": "muonkit.bench.step",
-    "memory": "muonkit.bench.memory",
-    "finetune": "muonkit.bench.finetune",
-    "dist": "muonkit.bench.dist",
-    "deepspeed": "muonkit.bench.deepspeed",
-    "lora": "muonkit.bench.lora",
-}
+BENCH_SUITE = "muonkit_bench.cli"
+INSTALL_BENCH = "pip install 'muonkit[bench]' (from a clone of the repository: make setup)"
 
 
-def _load(module: str) -> ModuleType | None:
+def _bench_suite() -> ModuleType | None:
+    """The benchmark suite's command registry, or None when the suite is not installed."""
     try:
-        return importlib.import_module(module)
+        return importlib.import_module(BENCH_SUITE)
     except ModuleNotFoundError as e:
-        if e.name == module:  # that benchmark is not part of this build
+        if e.name in ("muonkit_bench", BENCH_SUITE):
             return None
         raise
+
+
+def _bench_missing(args: argparse.Namespace) -> int:
+    raise SystemExit(f"muonkit bench: the benchmark suite (package muonkit_bench) is not installed: {INSTALL_BENCH}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,8 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     inspect = commands.add_parser("inspect", help="show where each tensor of a model goes (Muon or AdamW) and why")
     inspect.add_argument(
-        "model", nargs="?", default="gpt",
-        help="'gpt' (the benchmark GPT), or a Hugging Face config.json (built on the meta device, no weights)",
+        "model", nargs="?", default="gpt2",
+        help="a Hugging Face config.json (or its folder), or 'gpt2' (GPT-2 124M); built on the meta device, no weights",
     )  # fmt: skip
     inspect.add_argument("--split-qkv", action="store_true", help="split fused QKV projections into Q, K, V blocks")
     inspect.add_argument("--json", metavar="PATH", help="also write the report as JSON")
@@ -53,32 +53,29 @@ def build_parser() -> argparse.ArgumentParser:
     )
     deepspeed_convert.add_arguments(convert)
     convert.set_defaults(run=deepspeed_convert.run)
-    bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
-    for name, module_name in BENCHES.items():
-        module = _load(module_name)
-        if module is not None:
-            sub = bench.add_parser(name, help=module.HELP, description=module.HELP)
-            module.add_arguments(sub)
-            sub.set_defaults(run=module.main)
+    suite = _bench_suite()
+    if suite is None:
+        missing = commands.add_parser("bench", help=f"benchmarks (not installed: {INSTALL_BENCH})")
+        missing.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+        missing.set_defaults(run=_bench_missing)
+    else:
+        suite.add_commands(commands.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True))
     return parser
 
 
 def _inspect(args: argparse.Namespace) -> int:
     import json
 
+    from muonkit.integrations.transformers import model_from_config
     from muonkit.param_groups import explain
 
-    if args.model == "gpt":
-        import torch
-
-        from muonkit.bench.model import GPT, GPTConfig
-
-        with torch.device("meta"):
-            model: torch.nn.Module = GPT(GPTConfig())
+    if args.model == "gpt2":
+        config: Any = {"model_type": "gpt2"}  # transformers' GPT2Config defaults: GPT-2 124M
+    elif os.path.exists(args.model):
+        config = args.model
     else:
-        from muonkit.integrations.transformers import model_from_config
-
-        model = model_from_config(args.model)
+        raise SystemExit(f"muonkit inspect: {args.model!r} is neither 'gpt2' nor a path to a Hugging Face config.json")
+    model = model_from_config(config)
     report = explain(model, split_qkv=args.split_qkv)
     print(report)
     if args.json:

@@ -107,8 +107,8 @@ class HybridMuon(Optimizer):
         nonfinite: what a non-finite gradient or Muon update (direction after orthogonalization,
             e.g. from a diverging Newton-Schulz schedule) does. ``"skip"`` (default): the whole
             step is skipped on every group and rank, a warning is logged and ``skipped_steps``
-            counts it; costs one norm pass over the gradients and directions, one host sync per
-            step, and holding every Muon direction until the verdict (one fp32 copy of the local
+            counts it; costs one norm pass over the gradients and directions, one blocking read
+            of the device per step (after all of the step's directions are launched), and holding every Muon direction until the verdict (one fp32 copy of the local
             Muon params). ``"raise"``: ``FloatingPointError`` before anything changes.
             ``"unchecked"``: no check; each chunk is applied as soon as it is computed.
         capturable: a step with no host read, for ``torch.compile(opt.step, fullgraph=True)`` and
@@ -348,15 +348,17 @@ class HybridMuon(Optimizer):
         ]
         if self.nonfinite != "unchecked":
             # Two phases: every direction is computed (and held) before the verdict, so a
-            # non-finite one anywhere leaves everything untouched. Unchecked, each chunk is
-            # applied as soon as it is computed: the scratch memory of one chunk.
+            # non-finite one anywhere leaves everything untouched. The verdict is the step's one
+            # blocking read of the device, taken once all of its directions are launched.
+            # Unchecked, each chunk is applied as soon as it is computed (the scratch memory of
+            # one chunk) and nothing is read.
             chunks = [list(c) for c in chunks]
             if not self._finite_or_skip(work, cast(list[list[_MuonChunk]], chunks)):
                 return loss
         for config, params, pending, rates in zip(configs, work, chunks, self._rates(configs), strict=True):
             if isinstance(config, MuonConfig):
-                for chunk in pending:
-                    self._commit_muon(chunk, config, rates)
+                for batch in _commit_batches(pending):
+                    self._commit_muon(batch, config, rates)
             else:
                 self._adamw_step(params, cast(AdamWConfig, config), rates)
         return loss
@@ -400,9 +402,8 @@ class HybridMuon(Optimizer):
         held = self._held_rates[index]
         for key in _RATES:
             value = group[key]
-            if value is held.get(key) or (
-                adopt and isinstance(value, Tensor) and value.ndim == 0 and value.device == device and value.dtype == dtype
-            ):
+            fits = isinstance(value, Tensor) and value.ndim == 0 and value.device == device and value.dtype == dtype
+            if isinstance(value, Tensor) and (value is held.get(key) or (adopt and fits)):
                 held[key] = value
                 continue
             number = nonneg(f"{key} (param group {index})", value)
@@ -445,13 +446,18 @@ class HybridMuon(Optimizer):
     def _finite_or_skip(self, work: list[list[Tensor]], chunks: list[list[_MuonChunk]]) -> bool:
         """Whether to apply the step: every gradient and every Muon direction finite on every rank.
 
-        One agreement for both (one tiny all-reduce when distributed), one host read per device.
+        One agreement for both (one tiny all-reduce when distributed) and one blocking read: the
+        verdict is computed on the device (:func:`_finite_flags`) and read once. Only a step it
+        calls non-finite gets the exact check (a second agreement), so a finite gradient whose
+        norm overflows is never mistaken for inf.
         """
         grads = [self.strategy.local(cast(Tensor, p.grad)) for params in work for p in params]
         if not grads:
             return True
         directions = [d for group in chunks for chunk in group for d in chunk.directions]
-        grads_ok, updates_ok = self.strategy.all_true(_all_finite([grads, directions]))
+        grads_ok, updates_ok = self.strategy.all_true(_finite_flags([grads, directions]))
+        if not (grads_ok and updates_ok):  # the same on every rank: all of them check again
+            grads_ok, updates_ok = self.strategy.all_true(_exactly_finite([grads, directions]))
         if grads_ok and updates_ok:
             return True
         what = "gradient" if not grads_ok else "Muon update from finite gradients"
@@ -477,7 +483,7 @@ class HybridMuon(Optimizer):
             group = [params[i] for i in chunk]
             buffers = [self._momentum_buffer(p) for p in group]
             grads = [local(cast(Tensor, p.grad)) for p in group]
-            updates = muon_update(
+            updates = muon_update(  # the whole chunk in one foreach call
                 [local(b) for b in buffers], grads, momentum=config.momentum, nesterov=config.nesterov
             )
             directions = self.strategy.directions(group, updates, config)
@@ -489,15 +495,24 @@ class HybridMuon(Optimizer):
         buffer = self.state.get(p, {}).get("momentum_buffer")
         return self.strategy.new_state(p, self._state_dtype(p)) if buffer is None else buffer
 
-    def _commit_muon(self, chunk: _MuonChunk, config: MuonConfig, rates: tuple[float | Tensor, float | Tensor]) -> None:
-        """Store and advance the momentum the directions were computed from, then apply them."""
+    def _commit_muon(
+        self, chunks: Sequence[_MuonChunk], config: MuonConfig, rates: tuple[float | Tensor, float | Tensor]
+    ) -> None:
+        """Store and advance the momentum the directions were computed from, then apply them.
+
+        Every chunk given is committed by the same few ``_foreach`` calls (see :func:`_commit_batches`).
+        """
         local = self.strategy.local
-        for p, buffer in zip(chunk.params, chunk.buffers, strict=True):
+        params = [p for chunk in chunks for p in chunk.params]
+        buffers = [b for chunk in chunks for b in chunk.buffers]
+        directions = [d for chunk in chunks for d in chunk.directions]
+        for p, buffer in zip(params, buffers, strict=True):
             self.state[p]["momentum_buffer"] = buffer
-        grads = [local(cast(Tensor, p.grad)) for p in chunk.params]
-        momentum_([local(b) for b in chunk.buffers], grads, momentum=config.momentum)
-        muon_apply_([local(p) for p in chunk.params], chunk.directions, lr=rates[0], weight_decay=rates[1])
-        chunk.directions.clear()  # free them now, not when the next chunk replaces this one
+        grads = [local(cast(Tensor, p.grad)) for p in params]
+        momentum_([local(b) for b in buffers], grads, momentum=config.momentum)
+        muon_apply_([local(p) for p in params], directions, lr=rates[0], weight_decay=rates[1])
+        for chunk in chunks:
+            chunk.directions.clear()  # free them now, not when the next chunk replaces this one
 
     def _adamw_step(
         self, params: list[Tensor], config: AdamWConfig, rates: tuple[float | Tensor, float | Tensor]
@@ -706,36 +721,51 @@ def _warn_no_gradients(groups: Sequence[Mapping[str, Any]]) -> None:
     )
 
 
-def _all_finite(lists: Sequence[Sequence[Tensor]]) -> Tensor:
-    """For each list of tensors, whether every element of every tensor is finite: a CPU bool vector.
+def _commit_batches(chunks: Iterable[_MuonChunk]) -> Iterator[list[_MuonChunk]]:
+    """The chunks of a group to commit together: all of them when they are held (a checked step)
+    and their params are fp32 or fp64, so a group's commit is a few ``_foreach`` calls; one at a
+    time otherwise (unchecked, a chunk is applied as it comes; a low-precision param is updated
+    through an fp32 copy, which one chunk at a time keeps the size of a chunk)."""
+    if not isinstance(chunks, list):
+        for chunk in chunks:
+            yield [chunk]
+        return
+    if all(p.dtype in (torch.float32, torch.float64) for chunk in chunks for p in chunk.params):
+        if chunks:
+            yield chunks
+        return
+    for chunk in chunks:
+        yield [chunk]
 
-    The fast path is one fused L2 norm per tensor (finite iff the tensor is, unless its sum of
-    squares overflows, e.g. values above ~1e19) and one host read per device for all lists. Only
-    a list that this calls non-finite gets the exact check (min and max per tensor), so a finite
-    but huge tensor is never mistaken for inf. ``_foreach_norm(ord=inf)`` would be exact in one
-    pass but is several times slower on CPU (BENCHMARKS.md). Empty tensors (a rank's empty FSDP2
-    shards) are finite.
+
+def _finite_flags(lists: Sequence[Sequence[Tensor]]) -> Tensor:
+    """For each list of tensors, whether it looks finite: a bool vector on the device, nothing read.
+
+    One fused L2 norm per list and device (``_foreach_norm``); their sum is finite iff every
+    tensor is, unless a sum of squares overflows (values above ~1e19): a list this calls
+    non-finite is then checked exactly by :func:`_exactly_finite`. ``_foreach_norm(ord=inf)``
+    would be exact in one pass but is several times slower on CPU (BENCHMARKS.md). Empty tensors
+    (a rank's empty FSDP2 shards) are finite. The vector lives on the first tensor's device.
     """
-    nonempty = [[t for t in ts if t.numel() > 0] for ts in lists]
-    ok = _finite_by_device([torch._foreach_norm(ts) if ts else [] for ts in nonempty])
-    for k, ts in enumerate(nonempty):
-        if not ok[k]:
-            ok[k] = _finite_by_device([[x for t in ts for x in torch.aminmax(t)]])[0]
+    tensors = [t for ts in lists for t in ts]
+    target = tensors[0].device if tensors else torch.device("cpu")
+    sums = []
+    for ts in lists:
+        by_device: dict[torch.device, list[Tensor]] = {}
+        for t in ts:
+            if t.numel() > 0:
+                by_device.setdefault(t.device, []).append(t)
+        parts = [torch.stack(torch._foreach_norm(xs)).sum().to(target) for xs in by_device.values()]
+        sums.append(sum(parts[1:], parts[0]) if parts else torch.zeros((), device=target))
+    return torch.stack(sums).isfinite()
+
+
+def _exactly_finite(lists: Sequence[Sequence[Tensor]]) -> Tensor:
+    """For each list of tensors, whether every element is finite (min and max of each tensor):
+    exact whatever the values, at one host read per tensor; only for a step :func:`_finite_flags`
+    calls non-finite."""
+    ok = [all(math.isfinite(float(x)) for t in ts if t.numel() > 0 for x in torch.aminmax(t)) for ts in lists]
     return torch.tensor(ok)
-
-
-def _finite_by_device(lists: Sequence[Sequence[Tensor]]) -> list[bool]:
-    """For each list of scalar tensors, whether all are finite; one host read per device."""
-    by_device: dict[torch.device, list[tuple[int, Tensor]]] = {}
-    for k, xs in enumerate(lists):
-        for x in xs:
-            by_device.setdefault(x.device, []).append((k, x))
-    ok = [True] * len(lists)
-    for pairs in by_device.values():
-        finite = torch.stack([x for _, x in pairs]).isfinite().tolist()
-        for (k, _), f in zip(pairs, finite, strict=True):
-            ok[k] = ok[k] and f
-    return ok
 
 
 def _check_state_fits(state: Mapping[str, Any], p: Tensor, local: Callable[[Tensor], Tensor], group: int) -> None:

@@ -141,8 +141,8 @@ def test_missing_deepspeed_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> N
 def test_bench_configs_and_report() -> None:
     import argparse
 
-    from muonkit.bench import deepspeed as bench
-    from muonkit.bench.deepspeed_worker import METHODS, ds_config
+    from muonkit_bench import deepspeed as bench
+    from muonkit_bench.deepspeed_worker import METHODS, ds_config
 
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)

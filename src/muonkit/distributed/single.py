@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 
+import torch
 from torch import Tensor
 
 from muonkit.config import MuonConfig
@@ -45,5 +46,7 @@ class SingleDeviceStrategy(Strategy):
         return chunks
 
     def directions(self, params: list[Tensor], updates: list[Tensor], config: MuonConfig) -> list[Tensor]:
-        hook = functools.partial(self.count_batch, config=config)
+        # Not counted in a compiled step: torch.compile would guard on the counters' values (Python
+        # ints), which change every step, and recompile every step.
+        hook = None if torch.compiler.is_compiling() else functools.partial(self.count_batch, config=config)
         return muon_directions(updates, [config.layout] * len(updates), config.ns_options, on_batch=hook)

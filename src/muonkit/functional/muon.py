@@ -48,14 +48,15 @@ def muon_momentum_(buffers: list[Tensor], grads: list[Tensor], *, momentum: floa
 def muon_update(buffers: list[Tensor], grads: list[Tensor], *, momentum: float, nesterov: bool) -> list[Tensor]:
     """The updates ``U`` :func:`muon_momentum_` would return, as new tensors; ``buffers`` unchanged.
 
-    One tensor at a time, so the scratch beyond the results is one tensor's new momentum.
+    One or two ``_foreach`` calls for the whole list (a few kernel launches, not two per
+    tensor); the scratch beyond the results is the list's new momentum, held while ``U`` is
+    computed from it (nesterov), so callers bound it by the size of the lists they pass.
     """
-    updates = []
-    for buffer, grad in zip(buffers, grads, strict=True):
-        grads32 = _like_buffers([grad], [buffer])
-        new = torch._foreach_lerp([buffer], grads32, 1.0 - momentum)  # what lerp_ writes, out of place
-        updates.append(torch._foreach_lerp(grads32, new, momentum)[0] if nesterov else new[0])
-    return updates
+    if not buffers:
+        return []
+    grads32 = _like_buffers(grads, buffers)
+    new = torch._foreach_lerp(buffers, grads32, 1.0 - momentum)  # what lerp_ writes, out of place
+    return list(torch._foreach_lerp(grads32, new, momentum)) if nesterov else list(new)
 
 
 def momentum_(buffers: list[Tensor], grads: list[Tensor], *, momentum: float) -> None:
@@ -126,7 +127,8 @@ def muon_directions(
         if on_batch is not None:
             on_batch(sum(m.size(0) for m in batch), rows, cols)
         out = options.orthogonalize_batches(batch, rows=rows, cols=cols)
-        for (ti, bi), chunk in zip(members, torch.split(out, [m.size(0) for m in batch]), strict=True):
+        chunks = [out] if len(batch) == 1 else torch.split(out, [m.size(0) for m in batch])
+        for (ti, bi), chunk in zip(members, chunks, strict=True):
             results[ti][bi] = chunk
     return [layout.from_matrices(r, u.shape) for r, u, layout in zip(results, updates, layouts, strict=True)]
 

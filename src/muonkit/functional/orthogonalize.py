@@ -133,19 +133,15 @@ def orthogonalize_batches(
     work = torch.empty((sum(p.size(0) for p in parts), short, long), dtype=compute, device=first.device)
     if work.numel() == 0:  # no matrices, or matrices with no rows or columns: nothing to do
         return torch.empty((work.size(0), first.size(-2), first.size(-1)), dtype=first.dtype, device=first.device)
-    offset = 0
-    for part in parts:
-        _normalize_into(part.mT if tall else part, work[offset : offset + part.size(0)], norm_factor + eps)
-        offset += part.size(0)
+    _normalize_into(parts, work, norm_factor + eps, transpose=tall)
     iterate = _gram_newton_schulz if uses_gram(short, long, method=method, dtype=compute) else _newton_schulz
     out = (compiled_iteration(iterate) if compiled else iterate)(work, schedule)
     out = out.mT if tall else out
-    if out.dtype == first.dtype and scale == 1.0:
-        return out
-    # A dimensioned factor makes the product compute in the wider of the two dtypes (a Python
-    # float would keep bf16 arithmetic): fp32(out) * scale, rounded once, in the same pass as the cast.
-    wide = torch.promote_types(out.dtype, first.dtype)
-    return torch.mul(out, torch.full((1, 1, 1), scale, dtype=wide, device=first.device)).to(first.dtype)
+    if out.dtype != first.dtype:
+        out = out.to(first.dtype)
+    # In the parts' dtype (fp32 for a bf16 compute: the cast is exact, the product rounded once),
+    # in place on the fresh result.
+    return out if scale == 1.0 else out.mul_(scale)
 
 
 @functools.cache
@@ -172,31 +168,50 @@ def uses_gram(rows: int, cols: int, *, method: str, dtype: torch.dtype | None) -
     return method == "gram" and 2 * m <= n and dtype in (None, torch.float32, torch.float64)
 
 
-# Frobenius norms in this range are computed without overflow or underflow by a plain fp32
-# reduction (its sum of squares stays within fp32's normal range).
-_TRUSTED_NORMS = (1e-15, 1e18)
+def _normalize_into(parts: Sequence[Tensor], out: Tensor, k: float, *, transpose: bool) -> None:
+    """``out = cat(parts) / (k * ||x||_F)`` per matrix ``x`` (zero stays zero), cast to ``out``'s dtype.
 
+    No host read and a few calls for the whole batch: one fused norm reduction of every matrix
+    (``_foreach_norm``) and one scale-and-cast pass per part. Norms are reduced and applied in float64, where the sum of squares of any
+    finite fp32, bf16 or fp16 matrix neither overflows nor underflows, so every finite scale
+    works without a range check (and 1e-40 or 1e30 gives what 1 gives). fp64 input (and
+    devices without fp64) go through a pre-division by ``max|x|`` (:func:`_normalize_wide_into`).
+    ``transpose``: write each part's transpose (a tall matrix seen short side first).
 
-def _normalize_into(x: Tensor, out: Tensor, k: float) -> None:
-    """``out = x / (k * ||x||_F)`` per matrix (zero stays zero), cast to ``out``'s dtype.
-
-    Fast path: one fp32 norm reduction and one fused scale-and-cast pass. Norms outside the range
-    a plain fp32 reduction gets right (entries above ~1e18 or below ~1e-17), and fp64 input, go
-    through a pre-division by ``max|x|`` in fp32 (fp64 for fp64 input), so every finite scale
-    works. Checking the range costs one host sync per batch (free on CPU).
-
-    The norm is reduced from a contiguous copy when ``x`` is a strided view (a transposed or
-    split layout, a tall matrix seen short side first): a reduction's summation order follows
-    memory order, so this makes each matrix's result depend on its values alone, not on how the
-    caller stores them (one device passes views, the distributed owners stacked copies).
+    The norm is reduced from a contiguous copy when a part is a strided view (a transposed or
+    split layout): a reduction's summation order follows memory order, so this makes each
+    matrix's result depend on its values alone, not on how the caller stores them (one device
+    passes views, the distributed owners stacked copies).
     """
+    wide = torch.float64 if out.device.type not in _NO_FP64 else torch.float32
+    if parts[0].dtype == torch.float64 or wide != torch.float64:
+        offset = 0
+        for part in parts:
+            _normalize_wide_into(part.mT if transpose else part, out[offset : offset + part.size(0)], k)
+            offset += part.size(0)
+        return
+    parts = [part.contiguous() for part in parts]
+    matrices = [m for part in parts for m in ((part,) if part.size(0) == 1 else part.unbind(0))]
+    norms = torch.stack(torch._foreach_norm(matrices, 2, dtype=wide))
+    # A zero matrix stays zero: its norm is raised to the least normal float64, whose
+    # reciprocal is finite; every nonzero fp32/bf16/fp16 norm is far above it.
+    scales = norms.mul_(k).clamp_min_(torch.finfo(wide).tiny).reciprocal_().view(-1, 1, 1)
+    if len(parts) == 1:
+        torch.mul(parts[0].mT if transpose else parts[0], scales, out=out)
+        return
+    sizes = [part.size(0) for part in parts]
+    for part, scale, target in zip(parts, scales.split(sizes), out.split(sizes), strict=True):
+        torch.mul(part.mT if transpose else part, scale, out=target)
+
+
+_NO_FP64 = ("mps",)
+"""Device types without float64 arithmetic: their normalization pre-divides by ``max|x|``."""
+
+
+def _normalize_wide_into(x: Tensor, out: Tensor, k: float) -> None:
+    """:func:`_normalize_into` for one part by pre-division by ``max|x|`` (fp64 input, devices
+    without fp64): right at every finite scale too, at two more passes."""
     x = x.contiguous()
-    if x.dtype != torch.float64:
-        norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True, dtype=torch.float32)
-        lo, hi = _TRUSTED_NORMS
-        if bool(((norm >= lo) & (norm <= hi)).all()):
-            torch.mul(x, (k * norm).reciprocal_(), out=out)
-            return
     # fp64 stays fp64: casting it to fp32 first would overflow above ~3e38, flush values below
     # ~1e-45 to zero, and cap a float64 Newton-Schulz at fp32 accuracy.
     wide = x.to(torch.promote_types(x.dtype, torch.float32))

@@ -1,7 +1,7 @@
 """``muonkit bench step``: optimizer step time and orthogonalization quality, muonkit vs its peers.
 
 For each model (GPT-2-124M shapes, the benchmark GPT) the same gradients are fed to every
-method (:mod:`muonkit.bench.peers`): AdamW, HybridMuon, torch.optim.Muon + AdamW, DeepSpeed's
+method (:mod:`muonkit_bench.peers`): AdamW, HybridMuon, torch.optim.Muon + AdamW, DeepSpeed's
 single-device Muon. Step time: ``--warmup`` untimed steps, then ``--repeats`` timed steps
 (synchronized on GPU), each after the same gradients are copied back in (DeepSpeed overwrites
 ``p.grad``); reported as the median with min and max. Beside each time, the quality of the
@@ -47,7 +47,7 @@ MUON_LR = 0.02
 def build_model(name: str, *, device: str, seed: int) -> Any:
     import torch
 
-    from muonkit.bench.model import GPT, GPTConfig
+    from muonkit_bench.model import GPT, GPTConfig
 
     torch.manual_seed(seed)
     return GPT(GPTConfig(**MODELS[name])).to(device)
@@ -193,7 +193,7 @@ def _error_summary(errors: dict[str, dict[str, float]]) -> dict[str, float | Non
 
 
 def compare_peers(h: Harness, args: argparse.Namespace) -> dict[str, Any]:
-    from muonkit.bench.peers import peers
+    from muonkit_bench.peers import peers
 
     table = peers(deepspeed=not args.no_deepspeed)
     wanted = args.methods.split(",") if args.methods else list(table)
@@ -209,7 +209,7 @@ def compare_peers(h: Harness, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def compare_presets(h: Harness, args: argparse.Namespace) -> dict[str, Any]:
-    from muonkit.bench.peers import hybrid_muon
+    from muonkit_bench.peers import hybrid_muon
 
     rows = {}
     for preset in args.presets.split(","):
@@ -264,7 +264,7 @@ def format_presets(model: str, rows: dict[str, Any]) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--models", default="gpt2-124m,bench-gpt", help=f"comma-separated, from {sorted(MODELS)}")
-    parser.add_argument("--methods", help="comma-separated peers (default: all; see muonkit.bench.peers)")
+    parser.add_argument("--methods", help="comma-separated peers (default: all; see muonkit_bench.peers)")
     parser.add_argument("--no-deepspeed", action="store_true", help="leave DeepSpeed's Muon out")
     parser.add_argument("--presets", default="keller,you,polar_express", help="presets for the second table")
     parser.add_argument("--ns-steps", default="3,4,5,6,7,8", help="Newton-Schulz step counts for the second table")
@@ -281,7 +281,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     import torch
 
-    from muonkit.bench.environment import environment
+    from muonkit_bench.environment import environment
 
     if args.threads:
         torch.set_num_threads(args.threads)

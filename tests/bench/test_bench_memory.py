@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 from muonkit import explain
-from muonkit.bench import memory
-from muonkit.bench.memory_math import ElementBytes, Savings, model_state_bytes, shard, zero_table
 from muonkit.cli import main
+from muonkit_bench import memory
+from muonkit_bench.memory_math import ElementBytes, Savings, model_state_bytes, shard, zero_table
 
 
 class Tiny(nn.Module):
@@ -102,7 +102,7 @@ def test_cli_smoke_with_a_measured_probe(tmp_path: pytest.TempPathFactory) -> No
 
 _SEES_ALLOCATION = """
 import torch
-from muonkit.bench import memory_probe
+from muonkit_bench import memory_probe
 memory_probe.reset_peak()
 before, _ = memory_probe.rss_bytes()
 x = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched

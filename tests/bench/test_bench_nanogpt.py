@@ -17,12 +17,12 @@ import pytest
 import torch
 
 from muonkit import HybridMuon
-from muonkit.bench import nanogpt
-from muonkit.bench.compare import steps_to_reach
-from muonkit.bench.data import Corpus, clean_markdown, find_plays, load_corpus, split_plays
-from muonkit.bench.model import GPT, GPTConfig
-from muonkit.bench.train import RunConfig, build_optimizer, lr_multiplier, optimizer_state_bytes, train
 from muonkit.cli import main
+from muonkit_bench import nanogpt
+from muonkit_bench.compare import steps_to_reach
+from muonkit_bench.data import Corpus, clean_markdown, find_plays, load_corpus, split_plays
+from muonkit_bench.model import GPT, GPTConfig
+from muonkit_bench.train import RunConfig, build_optimizer, lr_multiplier, optimizer_state_bytes, train
 
 VOCAB = 512  # the tiny preset's: small, so the BPE trains in seconds
 

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from muonkit.bench import stats, sweep
 from muonkit.cli import main
+from muonkit_bench import stats, sweep
 
 
 def fake_run(seed: int, val: list[float], steps: int = 10, wall: float = 10.0) -> SimpleNamespace:

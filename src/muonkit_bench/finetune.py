@@ -3,16 +3,16 @@
 Moonlight's design at a size this machine runs:
 
 1. **Pretrain** the benchmark GPT on the Shakespeare corpus twice, with AdamW and with HybridMuon
-   (:func:`muonkit.bench.train.train`, same data, steps and seed).
+   (:func:`muonkit_bench.train.train`, same data, steps and seed).
 2. **Fine-tune** each pretrained model with AdamW and with HybridMuon (Moonlight's setting: the
    same lr and weight decay, Muon RMS-matched to AdamW) on offline labelled tasks
-   (:mod:`muonkit.bench.labelled`), several seeds each, a mean-pooled linear head
-   (:mod:`muonkit.bench.classifier`). Accuracy on a held-out test split (the same split for every
+   (:mod:`muonkit_bench.labelled`), several seeds each, a mean-pooled linear head
+   (:mod:`muonkit_bench.classifier`). Accuracy on a held-out test split (the same split for every
    run), reported as the mean with a 95% t-interval over seeds, the test set's own binomial noise
    beside it, and the paired difference HybridMuon - AdamW (same seed: same head init and order).
 3. **MiniLM**: the offline all-MiniLM-L6-v2 fine-tuned with AdamW (plain ``Trainer``) and
    HybridMuon (:class:`muonkit.integrations.transformers.MuonTrainer`) on the same tasks
-   (:mod:`muonkit.bench.finetune_hf`).
+   (:mod:`muonkit_bench.finetune_hf`).
 
 The intervals cover fine-tuning noise (seed of the head and of the batch order) only; each
 pretraining is one run.
@@ -75,7 +75,7 @@ SPLIT_SEED = 0
 
 def task_splits(names: tuple[str, ...], *, max_train: int | None, max_test: int | None) -> dict[str, Any]:
     """{task: (train, test)}: the fixed seeded split, then optional subsamples."""
-    from muonkit.bench.labelled import load_task
+    from muonkit_bench.labelled import load_task
 
     out = {}
     for name in names:
@@ -86,9 +86,9 @@ def task_splits(names: tuple[str, ...], *, max_train: int | None, max_test: int 
 
 def pretrain(preset: dict[str, Any], args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any], Any]:
     """({optimizer: model}, {optimizer: summary}, corpus)."""
-    from muonkit.bench.data import load_corpus
-    from muonkit.bench.model import GPTConfig
-    from muonkit.bench.train import RunConfig, train
+    from muonkit_bench.data import load_corpus
+    from muonkit_bench.model import GPTConfig
+    from muonkit_bench.train import RunConfig, train
 
     corpus = load_corpus(vocab_size=preset["vocab_size"], cache_dir=args.cache_dir)
     run = {**preset["pretrain"], "device": args.device}
@@ -113,7 +113,7 @@ def pretrain(preset: dict[str, Any], args: argparse.Namespace) -> tuple[dict[str
 
 def gpt_finetunes(preset: dict[str, Any], args: argparse.Namespace, seeds: tuple[int, ...]) -> dict[str, Any]:
     """Pretrain twice, fine-tune each pretrained model with both optimizers on every task and seed."""
-    from muonkit.bench.classifier import FinetuneConfig, GPTClassifier, encode, finetune
+    from muonkit_bench.classifier import FinetuneConfig, GPTClassifier, encode, finetune
 
     models, pre_summary, corpus = pretrain(preset, args)
     block = preset["model"]["block_size"]
@@ -145,7 +145,7 @@ def gpt_finetunes(preset: dict[str, Any], args: argparse.Namespace, seeds: tuple
 
 
 def minilm_finetunes(preset: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
-    from muonkit.bench.finetune_hf import finetune_minilm
+    from muonkit_bench.finetune_hf import finetune_minilm
 
     spec = preset["minilm"]
     seeds = tuple(int(s) for s in args.minilm_seeds.split(",")) if args.minilm_seeds else spec["seeds"]
@@ -205,9 +205,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from muonkit.bench.environment import environment
-    from muonkit.bench.finetune_report import format_report, summarize
-    from muonkit.bench.sweep_report import finite_json
+    from muonkit_bench.environment import environment
+    from muonkit_bench.finetune_report import format_report, summarize
+    from muonkit_bench.sweep_report import finite_json
 
     preset = PRESETS[args.preset]
     seeds = tuple(int(s) for s in args.seeds.split(",")) if args.seeds else preset["seeds"]

@@ -8,7 +8,7 @@ See the README section "The demo: make demo" for how to read them.
     muonkit bench nanogpt                       # the demo preset (~10 min on 2 CPU cores)
     muonkit bench nanogpt --preset tiny         # seconds; what the CI smoke test runs
     muonkit bench nanogpt --steps 1000 --n-layer 6 --lr 0.03 --adamw-lr 3e-3 --out runs/mine
-    muonkit bench nanogpt --sweep               # lr sweeps and several seeds (muonkit.bench.sweep)
+    muonkit bench nanogpt --sweep               # lr sweeps and several seeds (muonkit_bench.sweep)
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sizes.add_argument("--vocab-size", type=int, help="BPE vocabulary")
     for name in (*_MODEL_FLAGS, "steps", "batch_size", "eval_interval", "eval_batches"):
         sizes.add_argument("--" + name.replace("_", "-"), type=int)
-    hyper = parser.add_argument_group("hyperparameters (default: muonkit.bench.train.RunConfig's)")
+    hyper = parser.add_argument_group("hyperparameters (default: muonkit_bench.train.RunConfig's)")
     hyper.add_argument("--lr", type=float, help="Muon lr (Keller shape scaling)")
     hyper.add_argument("--adamw-lr", type=float, help="AdamW lr: the baseline and HybridMuon's AdamW groups")
     hyper.add_argument("--weight-decay", type=float, help="Muon weight decay")
@@ -76,15 +76,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--device", help="cpu (default) or cuda")
     run.add_argument("--no-progress", action="store_true", help="no progress bars")
     run.add_argument("--no-plot", action="store_true", help="skip the PNG")
-    from muonkit.bench.sweep import add_sweep_arguments  # stdlib-only imports: cheap
+    from muonkit_bench.sweep import add_sweep_arguments  # stdlib-only imports: cheap
 
     add_sweep_arguments(parser)
 
 
 def build_configs(args: argparse.Namespace) -> tuple[dict[str, Any], Any]:
     """(corpus kwargs, base RunConfig) from the preset and the flags."""
-    from muonkit.bench.model import GPTConfig
-    from muonkit.bench.train import RunConfig
+    from muonkit_bench.model import GPTConfig
+    from muonkit_bench.train import RunConfig
 
     preset = PRESETS[args.preset]
     corpus = {"vocab_size": args.vocab_size or preset["vocab_size"], "cache_dir": args.cache_dir}
@@ -119,12 +119,12 @@ def autocast_note(requested: str | None, used: str | None) -> str:
 
 def main(args: argparse.Namespace) -> int:
     if getattr(args, "sweep", None):
-        from muonkit.bench import sweep
+        from muonkit_bench import sweep
 
         return sweep.main(args)
-    from muonkit.bench.compare import compare, format_table, plot_curves
-    from muonkit.bench.data import load_corpus
-    from muonkit.bench.train import RunResult, train
+    from muonkit_bench.compare import compare, format_table, plot_curves
+    from muonkit_bench.data import load_corpus
+    from muonkit_bench.train import RunResult, train
 
     corpus_kwargs, base = build_configs(args)
     t0 = time.perf_counter()
@@ -153,7 +153,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _report(results: dict[str, Any], comparison: Any, corpus_meta: dict[str, Any], data_s: float) -> dict[str, Any]:
-    from muonkit.bench.environment import environment
+    from muonkit_bench.environment import environment
 
     first = next(iter(results.values()))
     return {

@@ -79,9 +79,9 @@ def _peft() -> Any:
 
 def pretrain(preset: dict[str, Any], args: argparse.Namespace) -> tuple[Any, Any, dict[str, Any]]:
     """(the AdamW-pretrained GPT, the corpus, a summary)."""
-    from muonkit.bench.data import load_corpus
-    from muonkit.bench.model import GPTConfig
-    from muonkit.bench.train import RunConfig, train
+    from muonkit_bench.data import load_corpus
+    from muonkit_bench.model import GPTConfig
+    from muonkit_bench.train import RunConfig, train
 
     corpus = load_corpus(vocab_size=preset["vocab_size"], cache_dir=args.cache_dir)
     config = RunConfig(
@@ -162,7 +162,7 @@ def evaluate(model: Any, eval_set: tuple[torch.Tensor, torch.Tensor], batch_size
 
 
 def summarize(runs: list[dict[str, Any]], routings: list[str]) -> dict[str, Any]:
-    from muonkit.bench.stats import t_interval
+    from muonkit_bench.stats import t_interval
 
     out: dict[str, Any] = {}
     by = {r: {run["seed"]: run["eval_loss"] for run in runs if run["routing"] == r} for r in routings}
@@ -187,7 +187,7 @@ def table(summary: dict[str, Any], before: float) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    from muonkit.bench.environment import environment
+    from muonkit_bench.environment import environment
 
     preset = copy.deepcopy(PRESETS[args.preset])
     if args.rank:

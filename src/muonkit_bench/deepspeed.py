@@ -1,7 +1,7 @@
 """``muonkit bench deepspeed``: muonkit vs DeepSpeed's built-in Muon vs DeepSpeed AdamW, ZeRO-1/2/3.
 
 The command launches itself under ``torchrun`` (2 CPU ranks, gloo, one thread each) and trains
-the benchmark GPT (:mod:`muonkit.bench.model`) on the bundled Shakespeare corpus with each
+the benchmark GPT (:mod:`muonkit_bench.model`) on the bundled Shakespeare corpus with each
 method at each ZeRO stage, ``gradient_clipping`` 1.0 and 2 accumulated micro-batches per step:
 
 - ``muonkit``: :func:`muonkit.integrations.deepspeed.initialize`, Keller's coefficients x5, bf16
@@ -11,7 +11,7 @@ method at each ZeRO stage, ``gradient_clipping`` 1.0 and 2 accumulated micro-bat
   requires);
 - ``deepspeed_adamw``: ``"type": "AdamW"`` with ``torch_adam``.
 
-What each column means is in :mod:`muonkit.bench.deepspeed_worker`. Results go to
+What each column means is in :mod:`muonkit_bench.deepspeed_worker`. Results go to
 ``OUT/deepspeed.json`` and a table on stdout.
 """
 
@@ -21,8 +21,8 @@ import argparse
 import time
 from typing import Any
 
-from muonkit.bench.deepspeed_worker import METHODS
-from muonkit.bench.launch import add_worker_arguments, torchrun_worker, write_report
+from muonkit_bench.deepspeed_worker import METHODS
+from muonkit_bench.launch import add_worker_arguments, torchrun_worker, write_report
 
 HELP = "DeepSpeed ZeRO-1/2/3 on 2 CPU ranks: muonkit vs DeepSpeed's Muon vs AdamW (loss, time, bytes, state)"
 _FORWARDED = ("n_layer", "n_embd", "n_head", "vocab", "seq", "batch", "ga", "steps", "warmup", "val_batches", "clip")
@@ -46,11 +46,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     if args.worker:
-        from muonkit.bench.deepspeed_worker import worker
+        from muonkit_bench.deepspeed_worker import worker
 
         return worker(args)
-    from muonkit.bench.deepspeed_worker import ds_config
-    from muonkit.bench.environment import environment
+    from muonkit_bench.deepspeed_worker import ds_config
+    from muonkit_bench.environment import environment
 
     start = time.perf_counter()
     run = _launch(args)

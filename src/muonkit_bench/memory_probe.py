@@ -1,7 +1,7 @@
 """Measure the peak memory of real training steps, one optimizer per process.
 
-Run as ``python -m muonkit.bench.memory_probe --optimizer hybrid_muon ...``; prints one JSON line.
-:mod:`muonkit.bench.memory` starts one such process per optimizer so that no allocator cache or
+Run as ``python -m muonkit_bench.memory_probe --optimizer hybrid_muon ...``; prints one JSON line.
+:mod:`muonkit_bench.memory` starts one such process per optimizer so that no allocator cache or
 state of one run leaks into the other.
 
 How it measures (Linux): the resident set size (``VmRSS``) and its high-water mark (``VmHWM``)
@@ -73,7 +73,7 @@ def build_model(args: argparse.Namespace) -> nn.Module:
         cfg = qwen2_config(hidden=args.hidden, layers=args.layers, vocab=args.vocab)
         model = model_from_config(cfg, device="cpu")
     else:
-        from muonkit.bench.model import GPT, GPTConfig
+        from muonkit_bench.model import GPT, GPTConfig
 
         heads = max(1, args.hidden // 64)
         model = GPT(
@@ -84,7 +84,7 @@ def build_model(args: argparse.Namespace) -> nn.Module:
 
 def build_optimizer(model: nn.Module, name: str) -> Any:
     import muonkit
-    from muonkit.bench import peers
+    from muonkit_bench import peers
 
     groups = muonkit.param_groups(model, lr=0.02, adamw_lr=3e-4)
     if name == "adamw":
@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def probe_command(options: dict[str, Any]) -> tuple[list[str], dict[str, str]]:
     """The argv and environment that run one probe in a fresh interpreter."""
-    argv = [sys.executable, "-m", "muonkit.bench.memory_probe"]
+    argv = [sys.executable, "-m", "muonkit_bench.memory_probe"]
     for key, value in options.items():
         argv += [f"--{key.replace('_', '-')}", str(value)]
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "TORCH_COMPILE_DISABLE": "1"}

@@ -18,9 +18,9 @@ Schedule (multiplier on every group's base lr, ``s`` = 0-based step, ``N`` steps
 
 Example::
 
-    from muonkit.bench.data import load_corpus
-    from muonkit.bench.model import GPTConfig
-    from muonkit.bench.train import RunConfig, train
+    from muonkit_bench.data import load_corpus
+    from muonkit_bench.model import GPTConfig
+    from muonkit_bench.train import RunConfig, train
 
     corpus = load_corpus(vocab_size=2048)
     result = train(RunConfig(model=GPTConfig(vocab_size=corpus.vocab_size), optimizer="muon", steps=200), corpus)
@@ -41,8 +41,8 @@ from typing import Any, Literal, Protocol
 import torch
 from torch import Tensor, nn
 
-from muonkit.bench.model import GPT, GPTConfig
 from muonkit.functional.orthogonalize import default_compute_dtype
+from muonkit_bench.model import GPT, GPTConfig
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ Batch = tuple[Tensor, Tensor]
 
 
 class TrainData(Protocol):
-    """What :func:`train` needs from a dataset (:class:`muonkit.bench.data.Corpus` is one)."""
+    """What :func:`train` needs from a dataset (:class:`muonkit_bench.data.Corpus` is one)."""
 
     def batch(
         self, split: Literal["train", "val"], *, batch_size: int, block_size: int, generator: torch.Generator

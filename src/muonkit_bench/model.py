@@ -15,7 +15,7 @@ fused QKV projection that ``split_qkv=True`` cuts into thirds), ``wte`` / ``wpe`
 Example::
 
     >>> import torch
-    >>> from muonkit.bench.model import GPT, GPTConfig
+    >>> from muonkit_bench.model import GPT, GPTConfig
     >>> model = GPT(GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=64))
     >>> logits, loss = model(torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long))
     >>> logits.shape

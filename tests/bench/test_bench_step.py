@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import muonkit
-from muonkit.bench import step
-from muonkit.bench.peers import hybrid_muon
 from muonkit.cli import main
+from muonkit_bench import step
+from muonkit_bench.peers import hybrid_muon
 
 
 def test_orthogonality_error_on_exact_cases() -> None:

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import muonkit
-from muonkit.bench.classifier import GPTClassifier, pad_batch
-from muonkit.bench.labelled import load_task
-from muonkit.bench.model import GPT, GPTConfig
 from muonkit.cli import main
+from muonkit_bench.classifier import GPTClassifier, pad_batch
+from muonkit_bench.labelled import load_task
+from muonkit_bench.model import GPT, GPTConfig
 
 
 @pytest.mark.parametrize(("name", "size", "classes"), [("sentiment", 10_566, 2), ("trec", 5_381, 6)])

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from muonkit.bench.model import GPT, GPTConfig
 from muonkit.functional import orthogonalization_flops
+from muonkit_bench.model import GPT, GPTConfig
 
 pytestmark = pytest.mark.distributed
 
@@ -56,7 +56,7 @@ def _single_flops(layout: str) -> int:
     import math
 
     import muonkit
-    from muonkit.bench.dist_layouts import build_model
+    from muonkit_bench.dist_layouts import build_model
 
     sizes = argparse.Namespace(n_layer=1, n_embd=64, n_head=2, vocab=128, seq=16)
     groups = muonkit.param_groups(build_model(layout, sizes))

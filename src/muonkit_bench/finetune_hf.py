@@ -102,7 +102,7 @@ def finetune_minilm(
     max_steps: int = -1,
     device: str = "cpu",
 ) -> dict[str, Any]:
-    """Fine-tune on ``train`` (a :class:`muonkit.bench.labelled.Task`), return test accuracy.
+    """Fine-tune on ``train`` (a :class:`muonkit_bench.labelled.Task`), return test accuracy.
 
     ``muon_lr``: the Muon groups' lr for ``optimizer="muon"`` (RMS-matched, ``match_adamw``);
     None gives them ``lr``, Moonlight's setting. AdamW groups always get ``lr``.

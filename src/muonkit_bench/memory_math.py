@@ -25,7 +25,7 @@ Savings of HybridMuon against AdamW::
     all model states:       4 f / (16) at stage 0, more at higher stages (the states dominate)
 
 Activations, temporary buffers (communication buckets, the optimizer's own workspace) and
-allocator fragmentation are outside this arithmetic; :mod:`muonkit.bench.memory_probe`
+allocator fragmentation are outside this arithmetic; :mod:`muonkit_bench.memory_probe`
 measures a real process.
 
 Example::

@@ -2,11 +2,11 @@
 
 For each model (a bundled config or any Hugging Face ``config.json``) the model is built on the
 meta device, routed with :func:`muonkit.explain`, and the exact byte counts of
-:mod:`muonkit.bench.memory_math` are reported: the Muon fraction f, the optimizer-state saving
+:mod:`muonkit_bench.memory_math` are reported: the Muon fraction f, the optimizer-state saving
 (f/2), the saving counting fp32 master weights (f/3), and per-rank model-state bytes under
 ZeRO-0/1/2/3 at ``--world-size`` ranks. With ``--measure``, a model that fits this machine is
 trained for a few steps in one fresh process per optimizer and its peak RSS reported beside the
-arithmetic (:mod:`muonkit.bench.memory_probe`).
+arithmetic (:mod:`muonkit_bench.memory_probe`).
 
 Example::
 
@@ -26,7 +26,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from muonkit.bench.memory_math import OPTIMIZERS, STAGES, ElementBytes, Savings, zero_table
+from muonkit_bench.memory_math import OPTIMIZERS, STAGES, ElementBytes, Savings, zero_table
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ HELP = "optimizer-state and per-rank ZeRO memory, AdamW vs HybridMuon, for Huggi
 
 def bundled_configs() -> dict[str, Path]:
     """Name -> path of the bundled configs (``qwen2.5-3b``, ``llama-3-8b``, ...)."""
-    root = resources.files("muonkit.bench") / "configs"
+    root = resources.files("muonkit_bench") / "configs"
     return {Path(str(p)).stem: Path(str(p)) for p in root.iterdir() if str(p).endswith(".json")}
 
 
@@ -103,7 +103,7 @@ def format_report(r: dict[str, Any]) -> str:
 
 def run_probes(args: argparse.Namespace) -> list[dict[str, Any]]:
     """One fresh process per optimizer; each prints one JSON line."""
-    from muonkit.bench.memory_probe import probe_command
+    from muonkit_bench.memory_probe import probe_command
 
     results = []
     for optimizer in args.probe_optimizers.split(","):
@@ -151,8 +151,8 @@ def format_probes(results: list[dict[str, Any]]) -> str:
 
 
 def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
-    from muonkit.bench.memory_probe import build_model
     from muonkit.param_groups import explain
+    from muonkit_bench.memory_probe import build_model
 
     probe_args = argparse.Namespace(
         model=args.probe_model, hidden=args.probe_hidden, layers=args.probe_layers, vocab=args.probe_vocab,
@@ -189,7 +189,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from muonkit.bench.environment import environment
+    from muonkit_bench.environment import environment
 
     sizes = ElementBytes(muon_state=args.muon_state_bytes)
     names = args.config or sorted(bundled_configs())

@@ -1,6 +1,6 @@
 """The layouts of ``muonkit bench dist``, built with plain torch APIs, and the per-replica baseline.
 
-Every layout wraps the same benchmark GPT (:mod:`muonkit.bench.model`; for ``ep`` its MLPs
+Every layout wraps the same benchmark GPT (:mod:`muonkit_bench.model`; for ``ep`` its MLPs
 become mixtures of experts with the same parameter count) on ``W`` ranks:
 
 ==========  ==============================  ==========================================================
@@ -120,7 +120,7 @@ class MoE(nn.Module):
 
 
 def build_model(layout: str, args: argparse.Namespace) -> nn.Module:
-    from muonkit.bench.model import GPT, GPTConfig
+    from muonkit_bench.model import GPT, GPTConfig
 
     torch.manual_seed(0)
     config = GPTConfig(

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from muonkit.bench.train import RunResult
+from muonkit_bench.train import RunResult
 
 __all__ = ["Comparison", "compare", "format_table", "plot_curves", "smooth", "steps_to_reach"]
 

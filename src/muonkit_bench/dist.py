@@ -1,8 +1,8 @@
 """``muonkit bench dist``: muonkit vs torch.optim.Muon under DDP and FSDP2, W = 2 and 4 CPU ranks,
-and with ``--layouts`` on the 2-D meshes of HSDP, FSDP2 + TP and EP (:mod:`muonkit.bench.dist_layouts`).
+and with ``--layouts`` on the 2-D meshes of HSDP, FSDP2 + TP and EP (:mod:`muonkit_bench.dist_layouts`).
 
 The command launches itself under ``torchrun`` (gloo, one thread per rank) once per world size.
-Each rank trains the benchmark GPT (:mod:`muonkit.bench.model`) with both optimizers on each
+Each rank trains the benchmark GPT (:mod:`muonkit_bench.model`) with both optimizers on each
 layout, routed by :func:`muonkit.param_groups`:
 
 - ``muonkit``: :class:`muonkit.HybridMuon` (``process_group=WORLD`` under DDP; picks the DTensor
@@ -10,7 +10,7 @@ layout, routed by :func:`muonkit.param_groups`:
 - ``torch``: ``torch.optim.Muon`` on the Muon groups + ``torch.optim.AdamW`` on the rest, the
   same tensors. Under DDP it issues no collectives and orthogonalizes every matrix on every rank;
   under FSDP2 it runs on DTensors, whose matmuls redistribute implicitly;
-- ``replicas`` (HSDP only): :class:`~muonkit.bench.dist_layouts.ReplicaMuon`, HybridMuon run once
+- ``replicas`` (HSDP only): :class:`~muonkit_bench.dist_layouts.ReplicaMuon`, HybridMuon run once
   per replica group over its shard sub-mesh (what torchtitan and dion do under HSDP).
 
 An optimizer that raises on a layout (when built or on its first step) is reported as
@@ -42,7 +42,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from muonkit.bench.launch import add_worker_arguments, torchrun_worker, write_report
+from muonkit_bench.launch import add_worker_arguments, torchrun_worker, write_report
 
 HELP = (
     "DDP and FSDP2 on 2 and 4 CPU ranks (and HSDP, FSDP2+TP, EP with --layouts): muonkit vs torch.optim.Muon "
@@ -73,8 +73,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     if args.worker:
         return _worker(args)
-    from muonkit.bench.dist_layouts import check_world_size
-    from muonkit.bench.environment import environment
+    from muonkit_bench.dist_layouts import check_world_size
+    from muonkit_bench.environment import environment
 
     problem = check_world_size(args.layouts, args.world_sizes)
     if problem:
@@ -174,8 +174,8 @@ def _build(layout: str, name: str, args: argparse.Namespace) -> tuple[Any, Any, 
     import torch.distributed as dist
 
     import muonkit
-    from muonkit.bench.dist_layouts import ReplicaMuon, build_layout, build_model, placements
-    from muonkit.bench.peers import TorchMuonAdamW
+    from muonkit_bench.dist_layouts import ReplicaMuon, build_layout, build_model, placements
+    from muonkit_bench.peers import TorchMuonAdamW
 
     model = build_model(layout, args)
     wrapped, mesh = build_layout(layout, model, dist.get_world_size())
@@ -203,8 +203,8 @@ def _measure(layout: str, name: str, args: argparse.Namespace) -> dict[str, Any]
     import torch
     import torch.distributed as dist
 
-    from muonkit.bench.dist_counters import StepCounter
-    from muonkit.bench.memory_probe import reset_peak, rss_bytes
+    from muonkit_bench.dist_counters import StepCounter
+    from muonkit_bench.memory_probe import reset_peak, rss_bytes
 
     wrapped, opt, groups, where = _build(layout, name, args)
     # tensor-parallel ranks of one data-parallel group must see the same tokens
@@ -306,8 +306,8 @@ def _update_error(
     import torch
 
     import muonkit
-    from muonkit.bench.peers import TorchMuonAdamW
     from muonkit.distributed import SingleDeviceStrategy
+    from muonkit_bench.peers import TorchMuonAdamW
 
     plain = []
     for group, values, gs in zip(groups, before, grads, strict=True):

@@ -10,7 +10,7 @@ The protocol of the public NanoGPT claims, at a size this machine can run:
    Jordan's GPT-2 XL comparison at 0.75x the steps).
 3. **Report**: final validation losses (mean, sample std, min, max over seeds); the tokens (and
    wall-clock) HybridMuon at N needs to reach AdamW's mean final loss, read off its validation
-   curve (:func:`muonkit.bench.compare.steps_to_reach`); whether the 0.74 N runs reach it; the
+   curve (:func:`muonkit_bench.compare.steps_to_reach`); whether the 0.74 N runs reach it; the
    optimizer-step time and its share of the training time; a plot.
 
 Wall-clock to a loss is ``steps_to_reach / N * training time`` (training time = the run's wall
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from muonkit.bench.stats import spread
+from muonkit_bench.stats import spread
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ ARMS = ("adamw", "muon", "muon_short")
 class SweepPlan:
     """What to run: the full-length base config, the lr grids, the seeds."""
 
-    base: Any  # muonkit.bench.train.RunConfig at N steps
+    base: Any  # muonkit_bench.train.RunConfig at N steps
     adamw_lrs: tuple[float, ...]
     muon_lrs: tuple[float, ...]
     sweep_frac: float
@@ -101,7 +101,7 @@ class SweepPlan:
 
 def run_sweep(plan: SweepPlan, data: Any, *, progress: bool = False) -> dict[str, Any]:
     """Sweep, full runs, summary: everything JSON-ready (curves included)."""
-    from muonkit.bench.train import train
+    from muonkit_bench.train import train
 
     def run(**changes: Any) -> Any:
         config = dataclasses.replace(plan.base, **changes)
@@ -166,7 +166,7 @@ def _train_time(r: Any) -> float:
 
 def summarize(full: dict[str, list[Any]]) -> dict[str, Any]:
     """Final losses per arm, tokens and time to AdamW's mean final loss, step overhead."""
-    from muonkit.bench.compare import steps_to_reach
+    from muonkit_bench.compare import steps_to_reach
 
     arms = {arm: _arm_summary(rs) for arm, rs in full.items()}
     target = arms["adamw"]["final_val_loss"]["mean"]
@@ -219,7 +219,7 @@ def _arm_summary(results: list[Any]) -> dict[str, Any]:
 
 def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``--sweep`` flags of ``muonkit bench nanogpt``."""
-    group = parser.add_argument_group("sweep (muonkit.bench.sweep)")
+    group = parser.add_argument_group("sweep (muonkit_bench.sweep)")
     group.add_argument(
         "--sweep", nargs="?", const="cpu", choices=sorted(PRESETS),
         help="lr sweep + full runs (AdamW N, HybridMuon N and 0.74 N) over seeds; preset cpu (default), gpu or tiny",
@@ -231,9 +231,9 @@ def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
 
 def plan_from_args(args: argparse.Namespace, *, vocab_size: int) -> SweepPlan:
     """The preset, with any size or run flag of ``muonkit bench nanogpt`` on top."""
-    from muonkit.bench.model import GPTConfig
-    from muonkit.bench.nanogpt import autocast_choice
-    from muonkit.bench.train import RunConfig
+    from muonkit_bench.model import GPTConfig
+    from muonkit_bench.nanogpt import autocast_choice
+    from muonkit_bench.train import RunConfig
 
     preset = PRESETS[args.sweep]
     model = dict(preset["model"])
@@ -263,9 +263,9 @@ def plan_from_args(args: argparse.Namespace, *, vocab_size: int) -> SweepPlan:
 def main(args: argparse.Namespace) -> int:
     import time
 
-    from muonkit.bench.data import load_corpus
-    from muonkit.bench.environment import environment
-    from muonkit.bench.sweep_report import finite_json, format_summary, plot_sweep
+    from muonkit_bench.data import load_corpus
+    from muonkit_bench.environment import environment
+    from muonkit_bench.sweep_report import finite_json, format_summary, plot_sweep
 
     vocab = getattr(args, "vocab_size", None) or PRESETS[args.sweep]["vocab_size"]
     corpus = load_corpus(vocab_size=vocab, cache_dir=getattr(args, "cache_dir", None))

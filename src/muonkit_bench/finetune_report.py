@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from muonkit.bench.stats import binomial_half_width, t_interval
+from muonkit_bench.stats import binomial_half_width, t_interval
 
 NAMES = {"adamw": "AdamW", "muon": "HybridMuon"}
 

@@ -1,4 +1,4 @@
-"""The printed table and the plot of ``muonkit bench nanogpt --sweep`` (see :mod:`muonkit.bench.sweep`)."""
+"""The printed table and the plot of ``muonkit bench nanogpt --sweep`` (see :mod:`muonkit_bench.sweep`)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Fine-tuning the benchmark GPT as a text classifier (the small-scale Moonlight design).
 
-The classifier reuses a pretrained :class:`muonkit.bench.model.GPT`'s embeddings, blocks and
+The classifier reuses a pretrained :class:`muonkit_bench.model.GPT`'s embeddings, blocks and
 final norm (a deep copy: the pretrained model is left as it was), mean-pools the hidden states
 over the real (unpadded) tokens and applies a new linear ``classifier``::
 
@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from muonkit.bench.model import GPT
+from muonkit_bench.model import GPT
 
 PAD = 0
 

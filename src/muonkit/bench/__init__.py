@@ -1,1 +1,0 @@
-"""Benchmarks: the benchmark GPT, the offline corpus, and one module per ``muonkit bench`` command."""
