@@ -134,3 +134,13 @@ def test_routing_report_counts_and_names() -> None:
     assert report.numel("adamw") + report.numel("muon") == report.total_params
     with pytest.warns(DeprecationWarning, match=r"use \.numel\(algorithm\)"):
         assert report.params("muon") == report.numel("muon")
+
+
+def test_muon_takes_hybrid_muons_adjust_lr_name_too() -> None:
+    """``muonkit.Muon`` speaks torch's ``adjust_lr_fn``; muonkit's ``adjust_lr`` means the same, once."""
+    w = torch.nn.Parameter(torch.randn(8, 4))
+    opt = muonkit.Muon([w], adjust_lr="match_adamw")
+    assert muonkit.Muon([w], adjust_lr_fn="match_rms_adamw").param_groups[0]["adjust_lr"] == "match_adamw"
+    assert opt.param_groups[0]["adjust_lr"] == "match_adamw"
+    with pytest.raises(TypeError, match="both adjust_lr_fn and adjust_lr"):
+        muonkit.Muon([w], adjust_lr_fn="original", adjust_lr="keller")

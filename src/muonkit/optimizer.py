@@ -984,6 +984,13 @@ class Muon(HybridMuon):
         adjust_lr_fn: str | None = None,
         **kwargs: Any,
     ) -> None:
+        if "adjust_lr" in kwargs:  # HybridMuon's name for it: accepted here too, once
+            if adjust_lr_fn is not None:
+                raise TypeError(
+                    "muonkit.Muon got both adjust_lr_fn and adjust_lr; they are the same setting "
+                    "(torch's name and muonkit's): pass one"
+                )
+            adjust_lr_fn = kwargs.pop("adjust_lr")
         names = {None: "keller", "original": "keller", "match_rms_adamw": "match_adamw"}
         if isinstance(adjust_lr_fn, str | None):
             adjust_lr_fn = names.get(adjust_lr_fn, adjust_lr_fn)

@@ -33,6 +33,12 @@ from muonkit.functional.matrices import MatrixLayout
 from muonkit.functional.orthogonalize import default_compute_dtype
 
 
+def dim0_sizes(n: int, world_size: int) -> list[int]:
+    """Rows of a ``Shard(0)`` tensor on each rank (``torch.chunk`` rule), e.g. 5 rows on 4 ranks: 2, 2, 1, 0."""
+    chunk = -(-n // world_size)
+    return [max(0, min(chunk, n - r * chunk)) for r in range(world_size)]
+
+
 @dataclass(frozen=True)
 class ParamSpec:
     group: str

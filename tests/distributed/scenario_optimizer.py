@@ -25,6 +25,7 @@ from common import (
     build,
     differences,
     differences_to,
+    dim0_sizes,
     matrix_count,
     mesh,
     rank_differences,
@@ -74,8 +75,6 @@ def _poison(p: nn.Parameter, ctx: Context, *, everywhere: bool = False) -> None:
 
 
 def sum_rows_before(p: nn.Parameter, ctx: Context) -> int:
-    from muonkit.distributed.dtensor import dim0_sizes
-
     return sum(dim0_sizes(p.shape[0], ctx.world_size)[: ctx.rank])
 
 

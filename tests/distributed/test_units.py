@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from common import dim0_sizes
 
 import muonkit
 from muonkit.distributed import SingleDeviceStrategy, select_strategy
-from muonkit.distributed.dtensor import dim0_sizes
 from muonkit.functional.matrices import MatrixLayout
 from muonkit.functional.muon import NSOptions
 

@@ -54,13 +54,7 @@ from muonkit.distributed.dtensor_layout import mesh_group, tensor_jobs
 from muonkit.distributed.executor import PlannedStrategy
 from muonkit.distributed.pieces import Box, Job
 
-__all__ = ["DTensorStrategy", "dim0_sizes"]
-
-
-def dim0_sizes(n: int, world_size: int) -> list[int]:
-    """Rows of a ``Shard(0)`` tensor on each rank (``torch.chunk`` rule), e.g. 5 rows on 4 ranks: 2, 2, 1, 0."""
-    chunk = -(-n // world_size)
-    return [max(0, min(chunk, n - r * chunk)) for r in range(world_size)]
+__all__ = ["DTensorStrategy"]
 
 
 class DTensorStrategy(PlannedStrategy):
