@@ -20,6 +20,7 @@ BENCHES: dict[str, str] = {
     "dist": "muonkit_bench.dist",
     "deepspeed": "muonkit_bench.deepspeed",
     "lora": "muonkit_bench.lora",
+    "capturable": "muonkit_bench.capturable",
 }
 
 INSTALL = "pip install 'muonkit[bench]' (from a clone of the repository: make setup)"
