@@ -111,25 +111,31 @@ class HybridMuon(Optimizer):
             of the device per step (after all of the step's directions are launched), and holding every Muon direction until the verdict (one fp32 copy of the local
             Muon params). ``"raise"``: ``FloatingPointError`` before anything changes.
             ``"unchecked"``: no check; each chunk is applied as soon as it is computed.
-        capturable: a step with no host read, for ``torch.compile(opt.step, fullgraph=True)`` and
-            CUDA graphs (see "Capturable step" below). Needs ``nonfinite="unchecked"`` and one
-            device (the single-device strategy).
-        ns_compile: run the Newton-Schulz iteration through ``torch.compile`` (Muon default).
+        capturable: a step with no host read, for ``torch.compile`` of the whole step and CUDA
+            graphs (see "Capturable step" below). Needs ``nonfinite="unchecked"`` and one device
+            (the single-device strategy).
+        ns_compile: run the Newton-Schulz iteration through ``torch.compile`` (Muon default; it
+            runs eagerly under ``TORCH_COMPILE_DISABLE=1``).
         process_group: for DDP, the process group the gradients are averaged over.
         strategy: an explicit :class:`muonkit.distributed.Strategy` (advanced).
 
     Capturable step: with ``capturable=True`` each group's ``lr`` and ``weight_decay`` are 0-dim
     float64 tensors on its params' device (as in ``torch.optim.Adam(capturable=True)``), AdamW's
     ``step`` counters live on that device and its bias corrections are computed there, so
-    ``step()`` reads nothing back to the host and a traced or captured step reads the current
-    values. torch's lr schedulers write a tensor ``lr`` in place (``fill_``); a number assigned to
-    ``group["lr"]`` is copied into the group's tensor at the next step (outside a CUDA graph
-    capture; under ``torch.compile`` that recompiles). Results equal the plain step's, bit for bit
-    on CPU. Values written into the tensors are not checked (that would read them). Non-finite
-    checks read a verdict on the host, hence ``nonfinite="unchecked"``; check gradients before
-    the step instead (e.g. ``torch.amp.GradScaler``). Distributed strategies run collectives with
-    host-side bookkeeping and are refused. For CUDA graphs, run a few eager steps first (states
-    are created at the first step) and load checkpoints before capturing.
+    ``step()`` reads nothing back to the host and a compiled or captured step reads the current
+    values: an lr schedule recompiles nothing. torch's lr schedulers write a tensor ``lr`` in place
+    (``fill_``); a number assigned to ``group["lr"]`` is checked and copied into the group's
+    tensor at the next step (refused during a CUDA graph capture; under ``torch.compile`` it
+    recompiles). Values written into the tensors are not checked (that would read them). Results
+    equal the plain step's, bit for bit on CPU. Non-finite checks read a verdict on the host,
+    hence ``nonfinite="unchecked"``; check gradients before the step instead (e.g.
+    ``torch.amp.GradScaler``). Distributed strategies run collectives with host-side bookkeeping
+    and are refused. ``torch.compile(opt.step)`` compiles the step as one graph; an lr
+    scheduler wraps ``opt.step`` in a function dynamo does not trace, so for ``fullgraph=True``
+    compile ``functools.partial(type(opt).step, opt)``. Run an eager step first (it creates the
+    states; with CUDA graphs, as torch's recipe says, a few on a side stream) and load
+    checkpoints before compiling or capturing. Strategy counters (``opt.strategy.stats``) are
+    not updated by a compiled step.
 
     The strategy (:attr:`strategy`) is chosen from the params the optimizer holds when it is first
     needed: the first ``step()`` (or the first read of ``opt.strategy``), not at construction.

@@ -56,11 +56,15 @@ def default_compute_dtype(device: torch.device | str) -> torch.dtype:
     return torch.float32
 
 
+_FAST_BF16: list[bool] = []  # the answer, once known (functools.cache is a wrapper torch.compile warns about)
+
+
 @torch.compiler.assume_constant_result  # a constant to torch.compile, not a call it cannot trace
 def _cpu_has_fast_bf16() -> bool:
-    cpu = torch.cpu
-    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
-    return any(bool(getattr(cpu, name, lambda: False)()) for name in checks)
+    if not _FAST_BF16:
+        checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+        _FAST_BF16.append(any(bool(getattr(torch.cpu, name, lambda: False)()) for name in checks))
+    return _FAST_BF16[0]
 
 
 def orthogonalize(
