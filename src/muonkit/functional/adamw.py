@@ -94,7 +94,7 @@ def _update_on_device_(
     ``(m * step_size) / denom`` then ``+``, the order of ``addcdiv``'s kernel. One param at a
     time: the scratch is two tensors of the largest param.
     """
-    half = torch.tensor(0.5, dtype=lr.dtype, device=lr.device)
+    half = torch.full((), 0.5, dtype=lr.dtype, device=lr.device)  # a fill, not a host-to-device copy
     for w, m, v, s in zip(work, exp_avgs, exp_avg_sqs, steps, strict=True):
         t = s.to(lr.dtype)
         step_size = -lr / (1.0 - beta1**t)
