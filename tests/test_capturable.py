@@ -1,9 +1,10 @@
 """``capturable=True``: a step with no host read, equal to the plain step, compiled without recompiles.
 
 A CUDA graph cannot be captured on the CPU machines the suite runs on; what it needs is checked
-here instead: no op of the step reads a tensor's value back to the host (counted at the dispatcher
-and at the Python level), ``torch.compile(..., fullgraph=True)`` traces the whole step as one
-graph, and lr schedules write the group's tensors in place, so nothing recompiles. Results are
+here instead: no op of the step reads a tensor's value back to the host (counted by
+``muonkit_bench.op_counts`` on the path a GPU step takes), ``torch.compile(..., fullgraph=True)``
+traces the whole step as one graph, and lr schedules write the group's tensors in place, so
+nothing recompiles. Results are
 compared with the plain step bit for bit: every operation of the capturable path rounds as its
 plain counterpart does (see ``muon_apply_`` and ``adamw_``).
 
@@ -14,9 +15,11 @@ tests switch it off for themselves (``_compiling``), so they compile in CI too.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import importlib
+import itertools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -25,43 +28,10 @@ import pytest
 import torch
 import torch._dynamo.testing
 from torch import Tensor, nn
-from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import muonkit
 from muonkit.distributed import Strategy
-
-_DEVICE_READS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default}
-_DEVICE_READS |= {torch.ops.aten.equal.default, torch.ops.aten.allclose.default}
-_PYTHON_READS = {Tensor.tolist, Tensor.item, Tensor.numpy, Tensor.__bool__, Tensor.__float__, Tensor.__int__}
-
-
-class HostReads(TorchDispatchMode):
-    """Counts reads of tensor values by the host: ``.item()``, ``bool(t)``, ``torch.equal`` ... at
-    the dispatcher, and ``.tolist()``/``.numpy()`` (which read CPU memory without an op) in Python."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.reads: list[str] = []
-        outer = self
-
-        class _Python(TorchFunctionMode):
-            def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-                if func in _PYTHON_READS:
-                    outer.reads.append(func.__name__)
-                return func(*args, **(kwargs or {}))
-
-        self._python = _Python()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func in _DEVICE_READS:
-            self.reads.append(str(func))
-        return func(*args, **(kwargs or {}))
-
-    @contextmanager
-    def counting(self) -> Iterator[HostReads]:
-        with self, self._python:
-            yield self
+from muonkit_bench.op_counts import as_on_an_accelerator, count_ops
 
 
 @contextmanager
@@ -93,12 +63,12 @@ def _train(
     capturable: bool,
     steps: int = 6,
     compile_step: Callable[[muonkit.HybridMuon], Callable[[], Any]] | None = None,
-    reads: HostReads | None = None,
+    run: Callable[[Callable[[], Any]], Any] | None = None,
     **options: Any,
 ) -> tuple[list[nn.Parameter], muonkit.HybridMuon]:
     """``steps`` steps under a cosine lr schedule; the last AdamW param has no gradient at the first
     step (so its step count differs from its neighbour's). From the third step on, the step is
-    ``compile_step(opt)``."""
+    ``compile_step(opt)``; each step is called by ``run`` if given."""
     torch.manual_seed(0)
     params = _model(dtype)
     opt = _optimizer(params, capturable=capturable, **options)
@@ -110,11 +80,7 @@ def _train(
             step = compile_step(opt)
         for j, p in enumerate(params):
             p.grad = None if (i, j) == (0, 3) else torch.randn(p.shape, generator=g, dtype=dtype)
-        if reads is None:
-            step()
-        else:
-            with reads.counting():
-                step()
+        step() if run is None else run(step)
         schedule.step()
     return params, opt
 
@@ -154,18 +120,17 @@ def test_capturable_groups_hold_device_tensors() -> None:
 
 
 def test_capturable_step_reads_nothing_on_the_host() -> None:
-    reads = HostReads()
-    _train(torch.float32, capturable=True, reads=reads)
-    assert reads.reads == []
-    # the counter sees what it claims to: the plain AdamW step reads its CPU step counters,
-    # the non-finite check its verdict
-    plain = HostReads()
-    _train(torch.float32, capturable=False, steps=1, reads=plain)
-    assert "aten._local_scalar_dense.default" in plain.reads
-    with HostReads().counting() as probe:
-        torch.ones(2).tolist()
-        bool(torch.ones(()))
-    assert probe.reads == ["tolist", "__bool__", "aten._local_scalar_dense.default"]
+    """Counted on the path a GPU step takes (``count_ops`` runs it; on the CPU itself the
+    normalization reads its range where a read waits for nothing): no read at all, the AdamW
+    step counters included (they live on the device), with results equal to the plain step's
+    there too. The plain step reads its CPU step counters (and in general its verdict)."""
+    reads: list[dict[str, int]] = []
+    captured = _train(torch.float32, capturable=True, run=lambda f: reads.append(count_ops(f).reads_by_op))
+    assert reads == [{}] * 6
+    plain_reads: list[int] = []
+    plain = _train(torch.float32, capturable=False, run=lambda f: plain_reads.append(count_ops(f).reads))
+    assert all(n > 0 for n in plain_reads)  # the counter sees reads where there are some
+    _assert_same(plain, captured)
 
 
 def test_a_number_written_into_the_group_is_copied_into_its_tensor() -> None:
@@ -206,7 +171,13 @@ def test_compiled_capturable_step_is_one_graph_without_recompiles() -> None:
         compiled = _train(torch.float32, capturable=True, compile_step=compile_step)
     assert counter.frame_count == 1  # 4 compiled steps, 4 different lrs
     assert counter.op_count > 50  # the step's ops are in the graph
-    _assert_same(_train(torch.float32, capturable=False), compiled)
+    calls = itertools.count()
+
+    def run(step: Callable[[], Any]) -> None:  # from step 3 on, the read-free path compiled steps take
+        with as_on_an_accelerator() if next(calls) >= 2 else contextlib.nullcontext():
+            step()
+
+    _assert_same(_train(torch.float32, capturable=False, run=run), compiled)
 
 
 def test_state_dict_round_trips_between_capturable_and_plain() -> None:

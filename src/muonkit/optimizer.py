@@ -36,6 +36,7 @@ from muonkit.distributed.agreement import settings_of
 from muonkit.foreign_state import muonkit_group
 from muonkit.functional.adamw import adamw_
 from muonkit.functional.muon import momentum_, muon_apply_, muon_update
+from muonkit.functional.orthogonalize import host_read_waits
 from muonkit.functional.validation import nonneg
 from muonkit.shapes import full_shape
 
@@ -452,18 +453,14 @@ class HybridMuon(Optimizer):
     def _finite_or_skip(self, work: list[list[Tensor]], chunks: list[list[_MuonChunk]]) -> bool:
         """Whether to apply the step: every gradient and every Muon direction finite on every rank.
 
-        One agreement for both (one tiny all-reduce when distributed) and one blocking read: the
-        verdict is computed on the device (:func:`_finite_flags`) and read once. Only a step it
-        calls non-finite gets the exact check (a second agreement), so a finite gradient whose
-        norm overflows is never mistaken for inf.
+        One agreement for both (one tiny all-reduce when distributed) and, on accelerators, one
+        blocking read: the verdict is computed on the device (:func:`_finite_flags`) and read once.
         """
         grads = [self.strategy.local(cast(Tensor, p.grad)) for params in work for p in params]
         if not grads:
             return True
         directions = [d for group in chunks for chunk in group for d in chunk.directions]
         grads_ok, updates_ok = self.strategy.all_true(_finite_flags([grads, directions]))
-        if not (grads_ok and updates_ok):  # the same on every rank: all of them check again
-            grads_ok, updates_ok = self.strategy.all_true(_exactly_finite([grads, directions]))
         if grads_ok and updates_ok:
             return True
         what = "gradient" if not grads_ok else "Muon update from finite gradients"
@@ -745,33 +742,54 @@ def _commit_batches(chunks: Iterable[_MuonChunk]) -> Iterator[list[_MuonChunk]]:
 
 
 def _finite_flags(lists: Sequence[Sequence[Tensor]]) -> Tensor:
-    """For each list of tensors, whether it looks finite: a bool vector on the device, nothing read.
+    """For each list of tensors, whether every element of every tensor is finite: a bool vector.
 
-    One fused L2 norm per list and device (``_foreach_norm``); their sum is finite iff every
-    tensor is, unless a sum of squares overflows (values above ~1e19): a list this calls
-    non-finite is then checked exactly by :func:`_exactly_finite`. ``_foreach_norm(ord=inf)``
-    would be exact in one pass but is several times slower on CPU (BENCHMARKS.md). Empty tensors
-    (a rank's empty FSDP2 shards) are finite. The vector lives on the first tensor's device.
+    On accelerators (:func:`~muonkit.functional.orthogonalize.host_read_waits`) it is computed on
+    the device and nothing is read: per list and device one max-abs (``_foreach_norm(ord=inf)``,
+    exact, as fast as any reduction there); the vector lives on the first such device. On the
+    CPU, where reads are free, :func:`_finite_on_host`. Empty tensors (a rank's empty FSDP2
+    shards) are finite.
     """
-    tensors = [t for ts in lists for t in ts]
-    target = tensors[0].device if tensors else torch.device("cpu")
-    sums = []
+    flags: list[bool | list[Tensor]] = []
     for ts in lists:
         by_device: dict[torch.device, list[Tensor]] = {}
         for t in ts:
             if t.numel() > 0:
                 by_device.setdefault(t.device, []).append(t)
-        parts = [torch.stack(torch._foreach_norm(xs)).sum().to(target) for xs in by_device.values()]
-        sums.append(sum(parts[1:], parts[0]) if parts else torch.zeros((), device=target))
-    return torch.stack(sums).isfinite()
+        host = [xs for device, xs in by_device.items() if not host_read_waits(device)]
+        if not all(_finite_on_host(xs) for xs in host):
+            flags.append(False)
+            continue
+        flags.append(
+            [
+                torch.stack(torch._foreach_norm(xs, float("inf"))).max().lt(math.inf)  # NaN and inf: False
+                for device, xs in by_device.items()
+                if host_read_waits(device)
+            ]
+        )
+    devices = [f[0].device for f in flags if isinstance(f, list) and f]
+    if not devices:
+        return torch.tensor([f is not False for f in flags])
+    parts = [
+        torch.tensor(f, device=devices[0])
+        if isinstance(f, bool)
+        else torch.stack([x.to(devices[0]) for x in f]).all()
+        if f
+        else torch.tensor(True, device=devices[0])
+        for f in flags
+    ]
+    return torch.stack(parts)
 
 
-def _exactly_finite(lists: Sequence[Sequence[Tensor]]) -> Tensor:
-    """For each list of tensors, whether every element is finite (min and max of each tensor):
-    exact whatever the values, at one host read per tensor; only for a step :func:`_finite_flags`
-    calls non-finite."""
-    ok = [all(math.isfinite(float(x)) for t in ts if t.numel() > 0 for x in torch.aminmax(t)) for ts in lists]
-    return torch.tensor(ok)
+def _finite_on_host(ts: Sequence[Tensor]) -> bool:
+    """Whether every element is finite, with host reads (free on the CPU): one fused L2 norm per
+    tensor and one read; only if a norm is not finite, the exact check (min and max per tensor),
+    so a finite tensor whose sum of squares overflows (values above ~1e19) is never mistaken for
+    inf. ``_foreach_norm(ord=inf)`` would be exact in one pass but is several times slower on CPU
+    (BENCHMARKS.md)."""
+    if all(torch.stack(torch._foreach_norm(list(ts))).isfinite().tolist()):
+        return True
+    return all(math.isfinite(float(x)) for t in ts for x in torch.aminmax(t))
 
 
 def _check_state_fits(state: Mapping[str, Any], p: Tensor, local: Callable[[Tensor], Tensor], group: int) -> None:

@@ -12,7 +12,9 @@ orthogonalization of the first step, on one matrix of each shape::
     polar = ||O - P||_F / ||P||_F,  P = the exact polar factor of the gradient
 
 (at step one every method's momentum update is a multiple of the gradient, so all of them
-orthogonalize the same matrix). A second table runs HybridMuon with each coefficient preset and
+orthogonalize the same matrix). Beside them, what one step (after the warmup) asks of the device,
+counted by :mod:`muonkit_bench.op_counts`: ``calls``, its aten ops (about one kernel launch each
+on a GPU), and ``reads``, its blocking device-to-host reads. A second table runs HybridMuon with each coefficient preset and
 step count. Example::
 
     muonkit bench step                       # GPT-2-124M shapes and the benchmark GPT
@@ -165,6 +167,8 @@ class Harness:
         for _ in range(max(0, warmup - 1)):
             self.load_grads()
             opt.step()
+        self.load_grads()
+        counts = self.count(opt)
         times = []
         for _ in range(repeats):
             self.load_grads()
@@ -175,7 +179,18 @@ class Harness:
             times.append(time.perf_counter() - start)
         del opt
         torch.cuda.empty_cache() if self.device.startswith("cuda") else None
-        return {"times_s": times, **_time_summary(times), "errors": errors, **_error_summary(errors)}
+        return {"times_s": times, **_time_summary(times), **counts, "errors": errors, **_error_summary(errors)}
+
+    def count(self, opt: Any) -> dict[str, int | None]:
+        """One step under :class:`muonkit_bench.op_counts.OpCounter`: its aten calls and blocking reads."""
+        from muonkit_bench.op_counts import count_ops, step_tensors
+
+        try:
+            counts = count_ops(opt.step, host=lambda: step_tensors(opt), device=self.device)
+        except Exception as e:  # a peer whose step a dispatch mode breaks (torch.compile'd code)
+            logger.warning("could not count the ops of a step: %s", e)
+            return {"aten_calls": None, "host_reads": None}
+        return {"aten_calls": counts.calls, "host_reads": counts.reads}
 
 
 def _time_summary(times: list[float]) -> dict[str, float]:
@@ -233,31 +248,39 @@ def _fmt_err(r: dict[str, Any]) -> str:
     return f"{r['max_abs_s_minus_1']:9.3f}  {r['mean_abs_s_minus_1']:9.3f}  {r['polar']:7.3f}"
 
 
+def _fmt_counts(r: dict[str, Any]) -> str:
+    calls, reads = r.get("aten_calls"), r.get("host_reads")
+    return f"{'-' if calls is None else calls:>6} {'-' if reads is None else reads:>5}"
+
+
 def format_peers(model: str, rows: dict[str, Any], *, base: str = "hybrid_muon") -> str:
     ref = rows.get(base) or next(iter(rows.values()))
     adamw = rows.get("adamw")
     lines = [
         f"{model}: optimizer step (ms: median [min, max]); ratio = median / {base}'s; error on the first step",
-        f"{'method':<19} {'median':>9} {'[min':>9} {'max]':>9} {'ratio':>6} {'vs AdamW':>9}  {'max|s-1|':>9}  {'mean|s-1|':>9}  {'polar':>7}",
+        f"{'method':<19} {'median':>9} {'[min':>9} {'max]':>9} {'ratio':>6} {'vs AdamW':>9} {'calls':>6} {'reads':>5}"
+        f"  {'max|s-1|':>9}  {'mean|s-1|':>9}  {'polar':>7}",
     ]
     for name, r in rows.items():
         vs_adamw = f"{r['median_s'] / adamw['median_s']:8.1f}x" if adamw else f"{'-':>9}"
         lines.append(
             f"{name:<19} {r['median_s'] * 1e3:9.1f} {r['min_s'] * 1e3:9.1f} {r['max_s'] * 1e3:9.1f} "
-            f"{r['median_s'] / ref['median_s']:6.2f} {vs_adamw}  {_fmt_err(r)}"
+            f"{r['median_s'] / ref['median_s']:6.2f} {vs_adamw} {_fmt_counts(r)}  {_fmt_err(r)}"
         )
+    lines.append("calls: aten ops of one step (kernel launches on a GPU); reads: blocking device-to-host reads")
     return "\n".join(lines)
 
 
 def format_presets(model: str, rows: dict[str, Any]) -> str:
     lines = [
         f"{model}: HybridMuon step by coefficient preset and Newton-Schulz steps (ms: median [min, max])",
-        f"{'preset':<15} {'steps':>5} {'median':>9} {'[min':>9} {'max]':>9}  {'max|s-1|':>9}  {'mean|s-1|':>9}  {'polar':>7}",
+        f"{'preset':<15} {'steps':>5} {'median':>9} {'[min':>9} {'max]':>9} {'calls':>6} {'reads':>5}"
+        f"  {'max|s-1|':>9}  {'mean|s-1|':>9}  {'polar':>7}",
     ]
     for r in rows.values():
         lines.append(
             f"{r['preset']:<15} {r['ns_steps']:>5} {r['median_s'] * 1e3:9.1f} {r['min_s'] * 1e3:9.1f} "
-            f"{r['max_s'] * 1e3:9.1f}  {_fmt_err(r)}"
+            f"{r['max_s'] * 1e3:9.1f} {_fmt_counts(r)}  {_fmt_err(r)}"
         )
     return "\n".join(lines)
 

@@ -48,6 +48,7 @@ def test_harness_recovers_the_orthogonalized_update() -> None:
         assert got["mean_abs_s_minus_1"] == pytest.approx(expected["mean_abs_s_minus_1"], abs=1e-4)
         assert got["polar"] == pytest.approx(expected["polar"], abs=1e-4)
     assert math.isfinite(result["median_s"]) and result["min_s"] <= result["median_s"] <= result["max_s"]
+    assert result["host_reads"] == 1 and result["aten_calls"] > 0  # the non-finite verdict, read once
 
 
 def test_cli_smoke(tmp_path: Path) -> None:
@@ -60,6 +61,7 @@ def test_cli_smoke(tmp_path: Path) -> None:
     assert set(rows) == {"adamw", "hybrid_muon", "torch_muon", "deepspeed_standard"}
     for name, r in rows.items():
         assert r["median_s"] > 0
+        assert r["aten_calls"] > 0 and r["host_reads"] == (1 if name == "hybrid_muon" else 0), name
         if name != "adamw":
             assert 0 <= r["mean_abs_s_minus_1"] < 1 and r["polar"] < 1
     presets = data["models"]["tiny"]["presets"]

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 import muonkit
 from muonkit.config import group_config
-from muonkit.distributed.agreement import Setting, check_agreement, encode, settings_of
+from muonkit.distributed.agreement import Setting, check_agreement, encode, place, settings_of, value_words
 from muonkit.distributed.collectives import flag_device
 
 
@@ -71,3 +71,47 @@ def test_differing_gradients_name_the_positions() -> None:
     reduced = _reduce([encode(settings, [True, True]), encode(settings, [True, False])])
     with pytest.raises(RuntimeError, match=r"which params have gradients at positions \[1\]"):
         check_agreement(reduced, settings, [True, True])
+
+
+def _with_values(settings: list[Setting], has_grad: list[bool], values: torch.Tensor) -> torch.Tensor:
+    words = value_words(values)
+    encoded = encode(settings, has_grad, room=words.numel())
+    place(encoded, words, at=len(settings) + len(has_grad))
+    return encoded
+
+
+def test_values_computed_on_the_device_join_the_agreement() -> None:
+    """A fingerprint of gradients is placed into the vector as it is (no host read) and checked
+    with it: equal on every rank passes, a difference in the last bit is named."""
+    settings, flags = _settings(), [True, True]
+    sums = torch.tensor([1.5, -2.25e-30, 0.0], dtype=torch.float64)
+    named = ("gradients of the plain params", 2 * sums.numel())
+    check_agreement(_reduce([_with_values(settings, flags, sums)] * 3), settings, flags, values=named)
+    other = sums.clone()
+    other[1] = torch.nextafter(other[1], torch.tensor(0.0, dtype=torch.float64))
+    reduced = _reduce([_with_values(settings, flags, sums), _with_values(settings, flags, other)])
+    with pytest.raises(ValueError, match="gradients of the plain params differ across ranks"):
+        check_agreement(reduced, settings, flags, values=named)
+    reduced = _reduce([_with_values(settings, flags, sums), _with_values(settings, [True, False], sums)])
+    with pytest.raises(RuntimeError, match="at positions \\[1\\]"):  # the flags are named before the values
+        check_agreement(reduced, settings, flags, values=named)
+
+
+def test_a_steady_state_step_reuses_its_plan_without_building_jobs(one_rank: None) -> None:
+    """Plans are keyed on the params' shapes and layout: jobs are built and hashed once, not every step."""
+    params = [torch.nn.Parameter(torch.randn(s)) for s in [(8, 4), (4, 8), (8, 4), (6, 6)]]
+    opt = muonkit.Muon(params, process_group=dist.group.WORLD)
+    strategy = opt.strategy
+    built = []
+    jobs = strategy.jobs
+
+    def counted(*args: object, **kwargs: object) -> object:
+        built.append(1)
+        return jobs(*args, **kwargs)  # type: ignore[arg-type]
+
+    strategy.jobs = counted  # type: ignore[method-assign]
+    for seed in range(3):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(seed))
+        opt.step()
+        assert len(built) == 1  # the first step's (one chunk: every Muon param in one exchange)

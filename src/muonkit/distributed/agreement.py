@@ -77,26 +77,51 @@ def settings_of(
     return settings
 
 
-def encode(settings: Sequence[Setting], has_grad: Sequence[bool]) -> torch.Tensor:
-    """This rank's int64 vector: setting hashes, gradient flags, zero padding, then all negated."""
+def encode(settings: Sequence[Setting], has_grad: Sequence[bool], *, room: int = 0) -> torch.Tensor:
+    """This rank's int64 vector: setting hashes, gradient flags, zero padding, then all negated.
+
+    ``room``: words left zero after the flags, for values computed on the device (:func:`place`).
+    """
     words = [s.word() for s in settings] + [int(bool(f)) for f in has_grad]
-    size = max(_MIN_WORDS, 1 << max(0, len(words) - 1).bit_length())
+    size = max(_MIN_WORDS, 1 << max(0, len(words) + room - 1).bit_length())
     mine = torch.zeros(size, dtype=torch.int64)
     mine[: len(words)] = torch.tensor(words, dtype=torch.int64)
     return torch.cat([mine, -mine])
 
 
-def check_agreement(reduced: torch.Tensor, settings: Sequence[Setting], has_grad: Sequence[bool]) -> None:
+def value_words(values: torch.Tensor) -> torch.Tensor:
+    """Values (any float dtype, on any device) as words every rank must share, computed where they
+    are (no host read): the low and high 32 bits of each value's float64 bit pattern."""
+    bits = values.detach().to(torch.float64).reshape(-1).view(torch.int64)
+    return torch.cat([bits & 0xFFFFFFFF, (bits >> 32) & 0xFFFFFFFF])
+
+
+def place(encoded: torch.Tensor, words: torch.Tensor, *, at: int) -> None:
+    """Write ``words`` (int64 in [0, 2**62), on ``encoded``'s device) into :func:`encode`'s room at ``at``."""
+    size = encoded.numel() // 2
+    encoded[at : at + words.numel()] = words
+    encoded[size + at : size + at + words.numel()] = -words
+
+
+def check_agreement(
+    reduced: torch.Tensor,
+    settings: Sequence[Setting],
+    has_grad: Sequence[bool],
+    *,
+    values: tuple[str, int] | None = None,
+) -> None:
     """Raise unless the MAX all-reduce of :func:`encode` shows every rank holding the same words.
 
-    Raises ``ValueError`` when param groups or settings differ (a setup mistake) and
-    ``RuntimeError`` when only the params with gradients differ.
+    ``values``: the name and word count of the values :func:`place` put after the flags.
+    Raises ``ValueError`` when param groups, settings or those values differ (a setup mistake)
+    and ``RuntimeError`` when only the params with gradients differ.
     """
     size = reduced.numel() // 2
     differ = (reduced[:size] + reduced[size:]).ne(0).nonzero().flatten().tolist()  # max != min
     if not differ:
         return
-    if differ[0] == 0 or differ[0] >= len(settings) + len(has_grad):  # shapes differ: nothing else aligns
+    flags_end = len(settings) + len(has_grad)
+    if differ[0] == 0 or differ[0] >= flags_end + (values[1] if values else 0):  # shapes differ: nothing aligns
         first = settings[0]
         raise ValueError(
             f"HybridMuon's {first.name} differ across ranks; on this rank: {_short(first.value)}. Every rank must "
@@ -109,7 +134,12 @@ def check_agreement(reduced: torch.Tensor, settings: Sequence[Setting], has_grad
             f"HybridMuon settings differ across ranks: {listed}{'...' if len(names) > 10 else ''}. Every rank must "
             "use the same hyperparameters (set them, and step lr schedulers, identically on every rank)"
         )
-    positions = [k - len(settings) for k in differ]
+    positions = [k - len(settings) for k in differ if k < flags_end]
+    if not positions and values:
+        raise ValueError(
+            f"HybridMuon's {values[0]} differ across ranks. Every rank must step the same values: average "
+            "them over the ranks that share them (e.g. leave the module inside the data-parallel wrapper)"
+        )
     raise RuntimeError(
         f"Ranks disagree on which params have gradients at positions {positions[:10]}"
         f"{'...' if len(positions) > 10 else ''}: every rank must step the same params (a param's .grad must be "

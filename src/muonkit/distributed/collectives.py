@@ -109,9 +109,24 @@ class Collectives:
         self.all_reduce(t, op=dist.ReduceOp.MIN)
         return [bool(x) for x in t.tolist()]
 
-    def check_agreement(self, settings: Sequence[agreement.Setting], has_grad: Sequence[bool]) -> None:
+    def check_agreement(
+        self,
+        settings: Sequence[agreement.Setting],
+        has_grad: Sequence[bool],
+        *,
+        values: tuple[str, Tensor] | None = None,
+    ) -> None:
         """Raise on every rank (never hang) unless all ranks hold the same settings and gradient
-        flags (one tiny all_reduce MAX; see :mod:`muonkit.distributed.agreement`)."""
-        words = agreement.encode(settings, has_grad).to(flag_device(self.group))
-        self.all_reduce(words, op=dist.ReduceOp.MAX)
-        agreement.check_agreement(words.cpu(), settings, has_grad)
+        flags (one tiny all_reduce MAX; see :mod:`muonkit.distributed.agreement`).
+
+        ``values``: a name and device values every rank must share too (a fingerprint of
+        gradients), added to the same vector on the device: no read of their own.
+        """
+        words = None if values is None else agreement.value_words(values[1])
+        room = 0 if words is None else words.numel()
+        encoded = agreement.encode(settings, has_grad, room=room).to(flag_device(self.group))
+        if words is not None:
+            agreement.place(encoded, words.to(encoded.device), at=len(settings) + len(has_grad))
+        self.all_reduce(encoded, op=dist.ReduceOp.MAX)
+        named = None if values is None else (values[0], room)
+        agreement.check_agreement(encoded.cpu(), settings, has_grad, values=named)

@@ -40,7 +40,7 @@ parallelism one optimizer per stage, over that stage's params)::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import torch
@@ -88,16 +88,20 @@ class DTensorStrategy(PlannedStrategy):
         Tensor parallelism leaves some params plain (norms under ``parallelize_module``, or
         transformers' ``tp_plan``); they are read as whole copies on every rank of the group, which
         is right only if every rank computes the same gradient for them. One fingerprint per
-        step (their gradients' sums, in float64) joins the step's agreement check, so plain params
-        left out of a data-parallel wrapper (their gradients never averaged) raise on every rank
-        instead of drifting apart.
+        step (their gradients' sums, in float64, computed on the device and added to the step's
+        agreement vector there: no read of its own) joins the step's agreement check, so plain
+        params left out of a data-parallel wrapper (their gradients never averaged) raise on every
+        rank instead of drifting apart.
         """
         grads = [p.grad for p in self.replicated if p.grad is not None]
         if not grads:
             return super().check_participation(has_grad, settings)
-        sums = torch.stack([g.detach().double().sum() for g in grads]).tolist()
-        fingerprint = Setting("gradients of the plain params replicated beside the DTensors", repr(sums))
-        return super().check_participation(has_grad, lambda: [*settings(), fingerprint])
+        sums = torch.stack([g.detach().sum(dtype=torch.float64) for g in grads])
+        self.comm.check_agreement(
+            [*settings(), Setting("strategy", self.name)],
+            has_grad,
+            values=("gradients of the plain params replicated beside the DTensors", sums),
+        )
 
     def local(self, t: Tensor) -> Tensor:
         return t.to_local() if isinstance(t, DTensor) else t
@@ -122,6 +126,12 @@ class DTensorStrategy(PlannedStrategy):
     def check_params(self, params: list[Tensor]) -> None:
         for param in params:
             self._boxes(param)
+
+    def layout_key(self, params: list[Tensor], updates: list[Tensor]) -> Hashable:
+        return tuple(
+            (tuple(p.shape), (tuple(p.placements), p.device_mesh) if isinstance(p, DTensor) else None, u.dtype)
+            for p, u in zip(params, updates, strict=True)
+        )
 
     def jobs(self, params: list[Tensor], updates: list[Tensor], config: MuonConfig) -> list[Job]:
         out = []

@@ -58,6 +58,7 @@ class PlannedStrategy(Strategy):
         super().__init__()
         self.comm = Collectives(group_of(process_group), self.stats)
         self._plans: dict[Hashable, Plan] = {}
+        self._plans_by_layout: dict[Hashable, Plan] = {}
         self._scales: dict[Hashable, Tensor] = {}
 
     @abstractmethod
@@ -71,10 +72,28 @@ class PlannedStrategy(Strategy):
     def check_participation(self, has_grad: Sequence[bool], settings: Callable[[], Sequence[Setting]] = list) -> None:
         self.comm.check_agreement([*settings(), Setting("strategy", self.name)], has_grad)
 
+    def layout_key(self, params: list[Tensor], updates: list[Tensor]) -> Hashable | None:
+        """A cheap key that fixes :meth:`jobs` for a given ``config``: what each param's jobs depend on
+        (shapes, placements, update dtypes), so that a steady-state step finds its plan without
+        building and hashing its jobs. ``None`` (default): jobs are built every call."""
+        del params, updates
+        return None
+
     def directions(self, params: list[Tensor], updates: list[Tensor], config: MuonConfig) -> list[Tensor]:
-        jobs = self.jobs(params, updates, config)
-        self.run(self.plan_of(jobs, updates, config), updates, updates, config)
+        self.run(self._plan_for(params, updates, config), updates, updates, config)
         return updates  # scratch (see Strategy): every read of it happens before its region is written
+
+    def _plan_for(self, params: list[Tensor], updates: list[Tensor], config: MuonConfig) -> Plan:
+        layout = self.layout_key(params, updates)
+        if layout is None:
+            return self.plan_of(self.jobs(params, updates, config), updates, config)
+        key = (layout, config.layout, config.steps, config.ns_method, config.ns_dtype)
+        plan = self._plans_by_layout.get(key)
+        if plan is None:
+            if len(self._plans_by_layout) >= _PLAN_CACHE:
+                self._plans_by_layout.clear()
+            plan = self._plans_by_layout[key] = self.plan_of(self.jobs(params, updates, config), updates, config)
+        return plan
 
     def plan_of(
         self, jobs: Sequence[Job], updates: Sequence[Tensor], config: MuonConfig, *, one_group: bool = False

@@ -33,7 +33,7 @@ Example (under ``torchrun``)::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 from torch import Tensor
@@ -55,6 +55,10 @@ class ReplicatedStrategy(PlannedStrategy):
 
     def __init__(self, process_group: Any) -> None:
         super().__init__(process_group)
+
+    def layout_key(self, params: list[Tensor], updates: list[Tensor]) -> Hashable:
+        del params
+        return tuple((tuple(u.shape), u.dtype) for u in updates)
 
     def jobs(self, params: list[Tensor], updates: list[Tensor], config: MuonConfig) -> list[Job]:
         del params  # whole and local: the updates say everything

@@ -34,9 +34,11 @@ from muonkit.functional.coefficients import resolve_preset
 
 __all__ = [
     "METHODS",
+    "SYNCHRONOUS_DEVICES",
     "compiled_iteration",
     "default_compute_dtype",
     "gram_restarts",
+    "host_read_waits",
     "orthogonalization_flops",
     "orthogonalize",
     "orthogonalize_batches",
@@ -172,15 +174,36 @@ def uses_gram(rows: int, cols: int, *, method: str, dtype: torch.dtype | None) -
     return method == "gram" and 2 * m <= n and dtype in (None, torch.float32, torch.float64)
 
 
+SYNCHRONOUS_DEVICES: frozenset[str] = frozenset({"cpu"})
+"""Device types whose ops finish before they return, so reading a result waits for nothing."""
+
+
+def host_read_waits(device: torch.device) -> bool:
+    """Whether reading a value of a tensor on ``device`` makes the host wait for the device.
+
+    Not on the CPU (its ops run synchronously): there muonkit takes the cheapest exact path even
+    when it reads a value (an fp32 norm and its range, below). On accelerators it keeps every
+    decision of a step on the device, so the host can run ahead launching work. Nor while
+    ``torch.compile`` traces (a read would break the graph, or recompile on the value read): the
+    compiled step takes the read-free path on every device.
+    """
+    return device.type not in SYNCHRONOUS_DEVICES or torch.compiler.is_compiling()
+
+
 def _normalize_into(parts: Sequence[Tensor], out: Tensor, k: float, *, transpose: bool) -> None:
     """``out = cat(parts) / (k * ||x||_F)`` per matrix ``x`` (zero stays zero), cast to ``out``'s dtype.
 
-    No host read and a few calls for the whole batch: one fused norm reduction of every matrix
-    (``_foreach_norm``) and one scale-and-cast pass per part. Norms are reduced and applied in float64, where the sum of squares of any
-    finite fp32, bf16 or fp16 matrix neither overflows nor underflows, so every finite scale
-    works without a range check (and 1e-40 or 1e30 gives what 1 gives). fp64 input (and
-    devices without fp64) go through a pre-division by ``max|x|`` (:func:`_normalize_wide_into`).
-    ``transpose``: write each part's transpose (a tall matrix seen short side first).
+    ``transpose``: write each part's transpose (a tall matrix seen short side first). Every
+    finite scale works (1e-40 or 1e30 gives what 1 gives), by two routes:
+
+    - where a host read waits for nothing (:func:`host_read_waits`, the CPU), per part one fp32
+      norm, a check of its range and, inside it, one fused scale-and-cast pass
+      (:func:`_normalize_checked_into`);
+    - on accelerators, no host read and a few calls for the whole batch: one fused norm of every
+      matrix (``_foreach_norm``), reduced and applied in float64, where the sum of squares of any
+      finite fp32, bf16 or fp16 matrix neither overflows nor underflows, so no range check is
+      needed; then one scale-and-cast pass per part. fp64 input (and devices without fp64) go
+      through a pre-division by ``max|x|`` (:func:`_normalize_wide_into`), read-free as well.
 
     The norm is reduced from a contiguous copy when a part is a strided view (a transposed or
     split layout): a reduction's summation order follows memory order, so this makes each
@@ -188,10 +211,13 @@ def _normalize_into(parts: Sequence[Tensor], out: Tensor, k: float, *, transpose
     passes views, the distributed owners stacked copies).
     """
     wide = torch.float64 if out.device.type not in _NO_FP64 else torch.float32
-    if parts[0].dtype == torch.float64 or wide != torch.float64:
+    checked = not host_read_waits(out.device)
+    if checked or parts[0].dtype == torch.float64 or wide != torch.float64:
         offset = 0
         for part in parts:
-            _normalize_wide_into(part.mT if transpose else part, out[offset : offset + part.size(0)], k)
+            target = out[offset : offset + part.size(0)]
+            x = part.mT if transpose else part
+            _normalize_checked_into(x, target, k) if checked else _normalize_wide_into(x, target, k)
             offset += part.size(0)
         return
     parts = [part.contiguous() for part in parts]
@@ -210,6 +236,24 @@ def _normalize_into(parts: Sequence[Tensor], out: Tensor, k: float, *, transpose
 
 _NO_FP64 = ("mps",)
 """Device types without float64 arithmetic: their normalization pre-divides by ``max|x|``."""
+
+# Frobenius norms in this range are computed without overflow or underflow by a plain fp32
+# reduction (its sum of squares stays within fp32's normal range).
+_TRUSTED_NORMS = (1e-15, 1e18)
+
+
+def _normalize_checked_into(x: Tensor, out: Tensor, k: float) -> None:
+    """One part of :func:`_normalize_into` where reads are free: an fp32 norm and one fused
+    scale-and-cast pass when the norm is in the range a plain fp32 reduction gets right (entries
+    between ~1e-17 and ~1e18), else (and for fp64 input) :func:`_normalize_wide_into`."""
+    x = x.contiguous()
+    if x.dtype != torch.float64:
+        norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True, dtype=torch.float32)
+        lo, hi = _TRUSTED_NORMS
+        if bool(((norm >= lo) & (norm <= hi)).all()):  # a host read: free where this runs
+            torch.mul(x, (k * norm).reciprocal_(), out=out)
+            return
+    _normalize_wide_into(x, out, k)
 
 
 def _normalize_wide_into(x: Tensor, out: Tensor, k: float) -> None:
