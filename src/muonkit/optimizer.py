@@ -123,8 +123,9 @@ class HybridMuon(Optimizer):
     Capturable step: with ``capturable=True`` each group's ``lr`` and ``weight_decay`` are 0-dim
     float64 tensors on its params' device (as in ``torch.optim.Adam(capturable=True)``), AdamW's
     ``step`` counters live on that device and its bias corrections are computed there, so
-    ``step()`` reads nothing back to the host and a compiled or captured step reads the current
-    values: an lr schedule recompiles nothing. torch's lr schedulers write a tensor ``lr`` in place
+    ``step()`` reads nothing back from an accelerator (on the CPU, where a read waits for nothing,
+    the normalization checks its range as in the plain step; a compiled step never reads) and a
+    compiled or captured step reads the current values: an lr schedule recompiles nothing. torch's lr schedulers write a tensor ``lr`` in place
     (``fill_``); a number assigned to ``group["lr"]`` is checked and copied into the group's
     tensor at the next step (refused during a CUDA graph capture; under ``torch.compile`` it
     recompiles). Values written into the tensors are not checked (that would read them). Results
@@ -149,6 +150,8 @@ class HybridMuon(Optimizer):
 
     _for_a_model = "muonkit.param_groups(model)"
     """What to pass instead of a model, or of a group that mixes matrices and vectors."""
+    capturable = False
+    """Whether the step is capturable; the class default serves optimizers pickled before the option."""
 
     def __init__(
         self,
