@@ -34,7 +34,7 @@ MATRIX_ALGORITHMS: tuple[str, ...] = ("muon", "normuon")
 """The algorithms that orthogonalize (routed alike: >= 2D hidden matrices)."""
 MUON_KEYS = (
     "lr", "momentum", "nesterov", "ns_coefficients", "ns_steps", "eps", "weight_decay",
-    "adjust_lr", "layout", "split_sizes", "ns_dtype", "ns_method", "cautious_wd",
+    "adjust_lr", "layout", "split_sizes", "ns_dtype", "ns_method", "cautious_wd", "ns_compile",
 )  # fmt: skip
 NORMUON_KEYS = (*MUON_KEYS, "beta2")
 """A NorMuon group's keys: Muon's, ``beta2``, and ``eps`` as NorMuon's (see :class:`MuonConfig`)."""
@@ -95,6 +95,8 @@ class Defaults:
     normuon_beta2: float = 0.95
     normuon_eps: float = 1e-8
     cautious_wd: bool = False
+    capturable: bool = False
+    ns_compile: bool = False
 
 
 DEFAULTS = Defaults()
@@ -126,6 +128,7 @@ class MuonConfig:
     cautious_wd: bool = False
     algorithm: str = "muon"
     beta2: float = DEFAULTS.normuon_beta2
+    ns_compile: bool = False
 
     @property
     def normuon(self) -> bool:
@@ -134,7 +137,15 @@ class MuonConfig:
 
     @property
     def ns_options(self) -> NSOptions:
-        return NSOptions(self.ns_coefficients, self.ns_steps, self.eps, self.ns_dtype, self.adjust_lr, self.ns_method)
+        return NSOptions(
+            self.ns_coefficients,
+            self.ns_steps,
+            self.eps,
+            self.ns_dtype,
+            self.adjust_lr,
+            self.ns_method,
+            self.ns_compile,
+        )
 
     def flops(self, rows: int, cols: int) -> int:
         """Matrix-product FLOPs of orthogonalizing one ``rows x cols`` matrix with these settings."""
@@ -213,6 +224,7 @@ def _muon_config(g: Mapping[str, Any], algorithm: str = "muon") -> MuonConfig:
         cautious_wd=_bool("cautious_wd", g.get("cautious_wd", DEFAULTS.cautious_wd)),
         algorithm=algorithm,
         beta2=_unit("beta2", g["beta2"]) if algorithm == "normuon" else DEFAULTS.normuon_beta2,
+        ns_compile=_bool("ns_compile", g.get("ns_compile", False)),
     )
 
 
@@ -264,6 +276,8 @@ def key_hint(key: Any, allowed: Sequence[str]) -> str:
     """`` (did you mean 'adjust_lr'?)`` and the like for an unknown ``key``, or ``""``."""
     if not isinstance(key, str):
         return ""
+    if key == "capturable":
+        return " (capturable is an optimizer keyword, not a group key: HybridMuon(..., capturable=True))"
     if key in TORCH_ONLY_KEYS:
         return f" (torch.optim's {key} option is not supported)"
     if key in KEY_ALIASES and KEY_ALIASES[key] in allowed:

@@ -39,6 +39,7 @@ from muonkit.functional.adamw import adamw_
 from muonkit.functional.muon import momentum_, muon_apply_, muon_update
 from muonkit.functional.normuon import normuon_rows
 from muonkit.functional.orthogonalize import host_read_waits
+from muonkit.functional.validation import nonneg
 from muonkit.shapes import full_shape
 
 logger = logging.getLogger(__name__)
@@ -129,8 +130,32 @@ class HybridMuon(Optimizer):
             the verdict (one fp32 copy of the local Muon params). ``"raise"``:
             ``FloatingPointError`` before anything changes. ``"unchecked"``: no check and no
             read; each chunk is applied as soon as it is computed.
+        capturable: a step with no host read, for ``torch.compile`` of the whole step and CUDA
+            graphs (see "Capturable step" below). Needs ``nonfinite="unchecked"`` and one device
+            (the single-device strategy).
+        ns_compile: run the Newton-Schulz iteration through ``torch.compile`` (Muon default; it
+            runs eagerly under ``TORCH_COMPILE_DISABLE=1``).
         process_group: for DDP, the process group the gradients are averaged over.
         strategy: an explicit :class:`muonkit.distributed.Strategy` (advanced).
+
+    Capturable step: with ``capturable=True`` each group's ``lr`` and ``weight_decay`` are 0-dim
+    float64 tensors on its params' device (as in ``torch.optim.Adam(capturable=True)``), AdamW's
+    ``step`` counters live on that device and its bias corrections are computed there, so
+    ``step()`` reads nothing back from an accelerator (on the CPU, where a read waits for nothing,
+    the normalization checks its range as in the plain step; a compiled step never reads) and a
+    compiled or captured step reads the current values: an lr schedule recompiles nothing. torch's lr schedulers write a tensor ``lr`` in place
+    (``fill_``); a number assigned to ``group["lr"]`` is checked and copied into the group's
+    tensor at the next step (refused during a CUDA graph capture; under ``torch.compile`` it
+    recompiles). Values written into the tensors are not checked (that would read them). Results
+    equal the plain step's, bit for bit on CPU. Non-finite checks read a verdict on the host,
+    hence ``nonfinite="unchecked"``; check gradients before the step instead (e.g.
+    ``torch.amp.GradScaler``). Distributed strategies run collectives with host-side bookkeeping
+    and are refused. ``torch.compile(opt.step)`` compiles the step as one graph; an lr
+    scheduler wraps ``opt.step`` in a function dynamo does not trace, so for ``fullgraph=True``
+    compile ``functools.partial(type(opt).step, opt)``. Run an eager step first (it creates the
+    states; with CUDA graphs, as torch's recipe says, a few on a side stream) and load
+    checkpoints before compiling or capturing. Strategy counters (``opt.strategy.stats``) are
+    not updated by a compiled step.
 
     The strategy (:attr:`strategy`) is chosen from the params the optimizer holds when it is first
     needed: the first ``step()`` (or the first read of ``opt.strategy``), not at construction.
@@ -143,6 +168,8 @@ class HybridMuon(Optimizer):
 
     _for_a_model = "muonkit.param_groups(model)"
     """What to pass instead of a model, or of a group that mixes matrices and vectors."""
+    capturable = False
+    """Whether the step is capturable; the class default serves optimizers pickled before the option."""
 
     def __init__(
         self,
@@ -168,6 +195,8 @@ class HybridMuon(Optimizer):
         normuon_eps: float = DEFAULTS.normuon_eps,
         cautious_wd: bool = DEFAULTS.cautious_wd,
         nonfinite: NonFinite = DEFAULTS.nonfinite,
+        capturable: bool = DEFAULTS.capturable,
+        ns_compile: bool = DEFAULTS.ns_compile,
         process_group: Any | None = None,
         strategy: Strategy | None = None,
         **unknown: Any,  # only to answer torch's keywords (adjust_lr_fn=, foreach=...) with a hint
@@ -180,12 +209,15 @@ class HybridMuon(Optimizer):
             )
         if nonfinite not in NONFINITE_CHOICES:
             raise ValueError(f"Invalid nonfinite={nonfinite!r}: must be one of {NONFINITE_CHOICES}")
+        _check_capturable(capturable, nonfinite, process_group, strategy)
         if process_group is not None and strategy is None and not _distributed_initialized():
             raise ValueError(
                 "process_group= was given but torch.distributed is not initialized: call "
                 "torch.distributed.init_process_group first (build the optimizer after it, e.g. after Accelerator())"
             )
         self.nonfinite = nonfinite
+        self.capturable = capturable
+        self._held_rates: list[dict[str, Tensor]] = []  # capturable: each group's lr and weight decay tensors
         self.skipped_steps = 0
         self._adamw_defaults = plain_hyperparameters(
             {"lr": adamw_lr, "betas": betas, "eps": adamw_eps, "weight_decay": adamw_weight_decay}
@@ -197,8 +229,8 @@ class HybridMuon(Optimizer):
             "algorithm": None, "lr": lr, "momentum": momentum, "nesterov": nesterov,
             "ns_coefficients": ns_coefficients, "ns_steps": ns_steps, "eps": eps,
             "weight_decay": weight_decay, "adjust_lr": adjust_lr, "layout": layout,
-            "split_sizes": split_sizes, "ns_dtype": ns_dtype, "ns_method": ns_method, "betas": betas,
-            "cautious_wd": cautious_wd,
+            "split_sizes": split_sizes, "ns_dtype": ns_dtype, "ns_method": ns_method, "ns_compile": ns_compile,
+            "betas": betas, "cautious_wd": cautious_wd,
         }  # fmt: skip
         super().__init__(params, plain_hyperparameters(defaults))
         self._strategy: Strategy | None = strategy
@@ -310,7 +342,12 @@ class HybridMuon(Optimizer):
         group_config(filled, index)
         if filled["algorithm"] in MATRIX_ALGORITHMS:
             _check_muon_params(params, filled, index)
+        if self.capturable:
+            _check_one_device(params, index)
         super().add_param_group(plain_hyperparameters(group))
+        if self.capturable:
+            self._held_rates.append({})
+            self._hold_rates(self.param_groups[-1], index)
 
     # ------------------------------------------------------------------ step
 
@@ -326,10 +363,12 @@ class HybridMuon(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        configs = [group_config(g, i) for i, g in enumerate(self.param_groups)]
+        configs = self._group_configs()
         has_grad = [p.grad is not None for g in self.param_groups for p in g["params"]]
         settings = functools.partial(settings_of, configs, self.param_groups, nonfinite=self.nonfinite)
         strategy = self._strategy_for_step(has_grad, settings)  # chosen at the first step
+        if self.capturable:
+            _check_capturable_strategy(strategy)
         strategy.align_grads([p for g in self.param_groups for p in g["params"] if p.grad is not None])
         work = self._checked_work(configs)
         if not any(work):
@@ -348,13 +387,68 @@ class HybridMuon(Optimizer):
             chunks = [list(c) for c in chunks]
             if not self._finite_or_skip(work, cast(list[list[_MuonChunk]], chunks)):
                 return loss
-        for config, params, pending in zip(configs, work, chunks, strict=True):
+        for config, params, pending, rates in zip(configs, work, chunks, self._rates(configs), strict=True):
             if isinstance(config, MuonConfig):
                 for batch in _commit_batches(pending):
-                    self._commit_muon(batch, config)
+                    self._commit_muon(batch, config, rates)
             else:
-                self._adamw_step(params, cast(AdamWConfig, config))
+                self._adamw_step(params, cast(AdamWConfig, config), rates)
         return loss
+
+    def _group_configs(self) -> list[MuonConfig | AdamWConfig]:
+        """Every group's validated config; capturable, the group's rate tensors are not read.
+
+        A number written into a capturable group's ``lr`` or ``weight_decay`` since the last step
+        is checked and copied into the group's tensor first (:meth:`_hold_rates`).
+        """
+        if not self.capturable:
+            return [group_config(g, i) for i, g in enumerate(self.param_groups)]
+        configs = []
+        for i, group in enumerate(self.param_groups):
+            self._hold_rates(group, i)
+            configs.append(group_config(self._unread(group), i))
+        return configs
+
+    def _unread(self, group: dict[str, Any]) -> dict[str, Any]:
+        """``group`` for validation; capturable, with placeholders for the rate tensors (never used)."""
+        return {**group, **dict.fromkeys(_RATES, 0.0)} if self.capturable else group
+
+    def _rates(self, configs: list[MuonConfig | AdamWConfig]) -> list[tuple[float | Tensor, float | Tensor]]:
+        """Each group's ``(lr, weight_decay)``: numbers, or capturable, its device tensors."""
+        if self.capturable:
+            return [(g["lr"], g["weight_decay"]) for g in self.param_groups]
+        return [(c.lr, c.weight_decay) for c in configs]
+
+    def _hold_rates(self, group: dict[str, Any], index: int, *, adopt: bool = True) -> None:
+        """Make ``group``'s ``lr`` and ``weight_decay`` its persistent 0-dim device tensors (capturable).
+
+        A tensor already on the params' device in the rate dtype is adopted as it is (torch's lr
+        schedulers ``fill_`` it), unless ``adopt=False`` (a loaded state); any other value is
+        checked, then copied in place into the tensor the group held before (the one a compiled or
+        captured step reads), made at the first call.
+        """
+        if not group["params"]:
+            return
+        device = group["params"][0].device
+        dtype = torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
+        held = self._held_rates[index]
+        for key in _RATES:
+            value = group[key]
+            fits = isinstance(value, Tensor) and value.ndim == 0 and value.device == device and value.dtype == dtype
+            if isinstance(value, Tensor) and (value is held.get(key) or (adopt and fits)):
+                held[key] = value
+                continue
+            number = nonneg(f"{key} (param group {index})", value)
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(
+                    f"Param group {index}'s {key} is {value!r}, not the group's tensor, while a CUDA graph is captured: "
+                    f"the graph would keep this value forever. Write it in place (group[{key!r}].fill_(x), as torch's lr "
+                    "schedulers do) before capturing"
+                )
+            if key not in held or held[key].device != device or held[key].dtype != dtype:
+                held[key] = torch.zeros((), dtype=dtype, device=device)
+            held[key].fill_(number)
+            group[key] = held[key]
 
     def _checked_work(self, configs: list[MuonConfig | AdamWConfig]) -> list[list[Tensor]]:
         """The params each group steps, after every check a step could otherwise fail halfway."""
@@ -364,7 +458,7 @@ class HybridMuon(Optimizer):
                 if params:
                     self.strategy.check_params(params)
                 shapes = [s for p in group["params"] for s in self.strategy.whole_shapes(p)]
-                _check_muon_params(group["params"], group, i, shapes=shapes, hint=_SWAPPED_PARAMS)
+                _check_muon_params(group["params"], self._unread(group), i, shapes=shapes, hint=_SWAPPED_PARAMS)
             for p in params:
                 _check_state_fits(self.state.get(p, {}), p, self.strategy.local, i)
         return work
@@ -442,7 +536,9 @@ class HybridMuon(Optimizer):
             rows = torch.zeros(count, dtype=self._state_dtype(p), device=p.device)
         return rows
 
-    def _commit_muon(self, chunks: Sequence[_MuonChunk], config: MuonConfig) -> None:
+    def _commit_muon(
+        self, chunks: Sequence[_MuonChunk], config: MuonConfig, rates: tuple[float | Tensor, float | Tensor]
+    ) -> None:
         """Store and advance the momentum the directions were computed from, then apply them.
 
         Every chunk given is committed by the same few ``_foreach`` calls (see :func:`_commit_batches`).
@@ -462,14 +558,16 @@ class HybridMuon(Optimizer):
         muon_apply_(
             [local(p) for p in params],
             directions,
-            lr=config.lr,
-            weight_decay=config.weight_decay,
+            lr=rates[0],
+            weight_decay=rates[1],
             cautious_wd=config.cautious_wd,
         )
         for chunk in chunks:
             chunk.directions.clear()  # free them now, not when the next chunk replaces this one
 
-    def _adamw_step(self, params: list[Tensor], config: AdamWConfig) -> None:
+    def _adamw_step(
+        self, params: list[Tensor], config: AdamWConfig, rates: tuple[float | Tensor, float | Tensor]
+    ) -> None:
         if not params:
             return
         local = self.strategy.local
@@ -477,7 +575,7 @@ class HybridMuon(Optimizer):
         for p in params:
             state = self.state[p]
             if "step" not in state:
-                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device if self.capturable else "cpu")
                 state["exp_avg"] = self.strategy.new_state(p, self._state_dtype(p))
                 state["exp_avg_sq"] = self.strategy.new_state(p, self._state_dtype(p))
             exp_avgs.append(local(state["exp_avg"]))
@@ -489,11 +587,11 @@ class HybridMuon(Optimizer):
             exp_avgs,
             exp_avg_sqs,
             steps,
-            lr=config.lr,
+            lr=rates[0],
             beta1=config.beta1,
             beta2=config.beta2,
             eps=config.eps,
-            weight_decay=config.weight_decay,
+            weight_decay=rates[1],
             cautious_wd=config.cautious_wd,
         )
 
@@ -520,7 +618,7 @@ class HybridMuon(Optimizer):
             )
         extra = {
             "_strategy", "_process_group", "_built_distributed", "nonfinite", "skipped_steps", "_adamw_defaults",
-            "_normuon_defaults",
+            "_normuon_defaults", "capturable", "_held_rates",
         }  # fmt: skip
         return {**super().__getstate__(), **{k: v for k, v in self.__dict__.items() if k in extra}}
 
@@ -541,15 +639,22 @@ class HybridMuon(Optimizer):
         ids = [pid for g in state_dict["param_groups"] for pid in g["params"]]
         super().load_state_dict(dict(state_dict))
         self.skipped_steps = skipped
-        for group, before in zip(self.param_groups, current, strict=True):
+        for index, (group, before) in enumerate(zip(self.param_groups, current, strict=True)):
             for key, value in before.items():
                 group.setdefault(key, value)
+            if self.capturable:
+                self._hold_rates(group, index, adopt=False)
+            else:  # a capturable optimizer's rate tensors load as numbers where these were numbers
+                for key in _RATES:
+                    if isinstance(group[key], Tensor) and not isinstance(before[key], Tensor):
+                        group[key] = float(group[key])
         # torch casts float states to the param dtype and keeps the caller's tensors; redo both.
         params = [p for g in self.param_groups for p in g["params"]]
         for pid, p in zip(ids, params, strict=True):
             for key, value in saved.get(pid, {}).items():
                 if key == "step":
-                    self.state[p][key] = torch.tensor(float(value), dtype=torch.float32)
+                    device = p.device if self.capturable else "cpu"
+                    self.state[p][key] = torch.tensor(float(value), dtype=torch.float32, device=device)
                 elif isinstance(value, Tensor):
                     self.state[p][key] = value.to(device=p.device, dtype=self._state_dtype(p), copy=True)
 
@@ -608,6 +713,47 @@ class _MuonChunk:
     """Local slices of ``scale * orthogonalize(U)``, ``U`` computed from ``buffers``."""
     rows: list[Tensor] | None = None
     """NorMuon: the new row moments, stored when the step commits."""
+
+
+_RATES = ("lr", "weight_decay")
+"""The hyperparameters a capturable optimizer holds as device tensors (what schedules change)."""
+
+
+def _check_capturable(capturable: Any, nonfinite: str, process_group: Any, strategy: Strategy | None) -> None:
+    """Refuse ``capturable=True`` where the step would need a host read or host-side collectives."""
+    if not isinstance(capturable, bool):
+        raise ValueError(f"Invalid capturable={capturable!r}: must be True or False")
+    if not capturable:
+        return
+    if nonfinite != "unchecked":
+        raise ValueError(
+            f"capturable=True needs nonfinite='unchecked', got nonfinite={nonfinite!r}: 'skip' and 'raise' read "
+            "a finiteness verdict on the host every step, which a CUDA graph cannot replay and torch.compile "
+            "cannot trace. Check gradients before the step instead (e.g. torch.amp.GradScaler)"
+        )
+    if process_group is not None:
+        raise ValueError("capturable=True runs on one device only: pass no process_group")
+    if strategy is not None:
+        _check_capturable_strategy(strategy)
+
+
+def _check_capturable_strategy(strategy: Strategy) -> None:
+    if not isinstance(strategy, SingleDeviceStrategy):
+        raise ValueError(
+            f"capturable=True runs on one device only (SingleDeviceStrategy), but the strategy is "
+            f"{type(strategy).__name__}: distributed steps issue collectives with host-side bookkeeping "
+            "that a CUDA graph cannot capture. Use capturable=False"
+        )
+
+
+def _check_one_device(params: Sequence[Tensor], index: int) -> None:
+    """A capturable group holds its lr and weight decay on its params' device: there must be one."""
+    devices = list(dict.fromkeys(p.device for p in params))
+    if len(devices) > 1:
+        raise ValueError(
+            f"Param group {index} has params on {len(devices)} devices ({', '.join(map(str, devices))}): with "
+            "capturable=True every group's params must be on one device (split the group by device)"
+        )
 
 
 def _warn_no_gradients(groups: Sequence[Mapping[str, Any]]) -> None:

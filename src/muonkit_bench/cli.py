@@ -21,6 +21,7 @@ BENCHES: dict[str, str] = {
     "deepspeed": "muonkit_bench.deepspeed",
     "lora": "muonkit_bench.lora",
     "qk-clip": "muonkit_bench.qk_clip",
+    "capturable": "muonkit_bench.capturable",
     "gpu-check": "muonkit_bench.gpu_check",
 }
 

@@ -146,7 +146,9 @@ class Strategy(ABC):
         moments of each whole tensor, required for NorMuon groups (and not modified).
         """
         options = config.ns_options if options is None else options
-        hook = functools.partial(self.count_batch, config=config)
+        # Not counted in a compiled step: torch.compile would guard on the counters' values (Python
+        # ints), which change every step, and recompile every step.
+        hook = None if torch.compiler.is_compiling() else functools.partial(self.count_batch, config=config)
         if not config.normuon:
             return muon_directions(wholes, layouts, options, on_batch=hook), []
         if rows is None:

@@ -81,6 +81,7 @@ class NSOptions:
     dtype: torch.dtype | None = None
     adjust_lr: str | None = "keller"
     method: str = "gram"
+    compiled: bool = False
 
     def orthogonalize(self, x: Tensor) -> Tensor:
         return orthogonalize(
@@ -97,6 +98,7 @@ class NSOptions:
             dtype=self.dtype,
             method=self.method,
             scale=lr_scale(self.adjust_lr, rows, cols),
+            compiled=self.compiled,
         )
 
 
@@ -191,30 +193,38 @@ def muon_apply_(
     params: Sequence[Tensor],
     directions: Sequence[Tensor],
     *,
-    lr: float,
-    weight_decay: float,
+    lr: float | Tensor,
+    weight_decay: float | Tensor,
     cautious_wd: bool = False,
 ) -> None:
     """``W <- W*(1 - lr*wd) - lr*D`` in place; low-precision params go through fp32.
 
     ``cautious_wd``: decay only where ``D`` and ``W`` agree in sign (:func:`cautious_decay_`).
+    ``lr`` and ``weight_decay`` may be 0-dim tensors on the params' device (a capturable step, no
+    host read): the decay then always runs (x1 for a weight decay of 0), and ``W + D*(-lr)`` is
+    one ``addcmul``, which rounds once like ``add``'s ``alpha`` (bit for bit on CPU).
     """
     if not params:
         return
     work = [p if p.dtype in (torch.float32, torch.float64) else p.float() for p in params]
     dirs = [d if d.dtype == w.dtype else d.to(w.dtype) for d, w in zip(directions, work, strict=True)]
-    if weight_decay != 0:
+    if isinstance(lr, Tensor) or isinstance(weight_decay, Tensor) or weight_decay != 0:
         if cautious_wd:
             cautious_decay_(work, dirs, lr=lr, weight_decay=weight_decay)
         else:
             torch._foreach_mul_(work, 1.0 - lr * weight_decay)
-    torch._foreach_add_(work, dirs, alpha=-lr)
+    if isinstance(lr, Tensor):
+        torch._foreach_addcmul_(work, dirs, [-lr] * len(work))
+    else:
+        torch._foreach_add_(work, dirs, alpha=-lr)
     for p, w in zip(params, work, strict=True):
         if w is not p:
             p.copy_(w)
 
 
-def cautious_decay_(params: Sequence[Tensor], updates: Sequence[Tensor], *, lr: float, weight_decay: float) -> None:
+def cautious_decay_(
+    params: Sequence[Tensor], updates: Sequence[Tensor], *, lr: float | Tensor, weight_decay: float | Tensor
+) -> None:
     """Cautious weight decay (Chen et al., arXiv 2510.12402), in place: ``W <- W*(1 - lr*wd)`` only where
     ``u * W >= 0``.
 

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -34,6 +35,7 @@ from muonkit.functional.coefficients import resolve_preset
 __all__ = [
     "METHODS",
     "SYNCHRONOUS_DEVICES",
+    "compiled_iteration",
     "default_compute_dtype",
     "gram_restarts",
     "host_read_waits",
@@ -56,11 +58,15 @@ def default_compute_dtype(device: torch.device | str) -> torch.dtype:
     return torch.float32
 
 
-@functools.cache
+_FAST_BF16: list[bool] = []  # the answer, once known (functools.cache is a wrapper torch.compile warns about)
+
+
+@torch.compiler.assume_constant_result  # a constant to torch.compile, not a call it cannot trace
 def _cpu_has_fast_bf16() -> bool:
-    cpu = torch.cpu
-    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
-    return any(bool(getattr(cpu, name, lambda: False)()) for name in checks)
+    if not _FAST_BF16:
+        checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+        _FAST_BF16.append(any(bool(getattr(torch.cpu, name, lambda: False)()) for name in checks))
+    return _FAST_BF16[0]
 
 
 def orthogonalize(
@@ -108,12 +114,14 @@ def orthogonalize_batches(
     dtype: torch.dtype | None = None,
     method: str = "newton_schulz",
     scale: float = 1.0,
+    compiled: bool = False,
 ) -> Tensor:
     """``scale * orthogonalize(cat(parts))`` for batches ``(b_i, m, n)`` of one matrix shape.
 
     The parts are normalized straight into one compute-dtype batch (no fp32 concatenation), and
     the result, ``(sum b_i, m, n)`` in the parts' dtype, is scaled in that dtype as it is cast
     back: the Muon step's batching and lr shape scale at no extra pass over the data.
+    ``compiled=True`` runs the iteration through ``torch.compile`` (:func:`compiled_iteration`).
     """
     first = parts[0]
     if first.is_complex() or not first.is_floating_point():
@@ -135,8 +143,11 @@ def orthogonalize_batches(
     # The iterations overwrite ``work`` and take it over (``box``), so that it is not held here.
     box = [work]
     del work
-    if uses_gram(short, long, method=method, dtype=compute):
-        out = _gram_newton_schulz_(box, schedule, gram_restarts(len(schedule), compute))
+    restarts = gram_restarts(len(schedule), compute) if uses_gram(short, long, method=method, dtype=compute) else None
+    if compiled:
+        out = compiled_iteration(_iterate)(box.pop(), tuple(schedule), restarts)
+    elif restarts is not None:
+        out = _gram_newton_schulz_(box, schedule, restarts)
     else:
         out = _newton_schulz_(box, schedule)
     out = out.mT if tall else out
@@ -148,6 +159,24 @@ def orthogonalize_batches(
     # A narrower one (bf16 for fp32 params): the cast is exact, the product rounded once.
     out = out.to(first.dtype)
     return out if scale == 1.0 else out.mul_(scale)
+
+
+@functools.cache
+def compiled_iteration(iterate: Callable[..., Tensor]) -> Any:
+    """``torch.compile(iterate, fullgraph=True)``, made once per iteration function.
+
+    The schedule's loop is unrolled and its coefficients are constants of the graph; torch.compile
+    recompiles for a new schedule, and after a second batch shape makes the shapes dynamic. Under
+    ``TORCH_COMPILE_DISABLE=1`` (or ``torch._dynamo.config.disable``) it runs ``iterate`` eagerly.
+    """
+    return torch.compile(iterate, fullgraph=True)
+
+
+def _iterate(x: Tensor, schedule: Sequence[tuple[float, float, float]], restarts: Collection[int] | None) -> Tensor:
+    """The iteration as a function of the batch (what :func:`compiled_iteration` compiles): the
+    Gram iteration with these ``restarts``, or the plain one for ``None``."""
+    box = [x]
+    return _newton_schulz_(box, schedule) if restarts is None else _gram_newton_schulz_(box, schedule, restarts)
 
 
 def uses_gram(rows: int, cols: int, *, method: str, dtype: torch.dtype | None) -> bool:
@@ -172,9 +201,11 @@ def host_read_waits(device: torch.device) -> bool:
 
     Not on the CPU (its ops run synchronously): there muonkit takes the cheapest exact path even
     when it reads a value (an fp32 norm and its range, below). On accelerators it keeps every
-    decision of a step on the device, so the host can run ahead launching work.
+    decision of a step on the device, so the host can run ahead launching work. Nor while
+    ``torch.compile`` traces (a read would break the graph, or recompile on the value read): the
+    compiled step takes the read-free path on every device.
     """
-    return device.type not in SYNCHRONOUS_DEVICES
+    return device.type not in SYNCHRONOUS_DEVICES or torch.compiler.is_compiling()
 
 
 def _normalize_into(parts: Sequence[Tensor], out: Tensor, k: float, *, transpose: bool) -> None:
