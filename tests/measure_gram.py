@@ -54,7 +54,7 @@ def run(x: torch.Tensor, dtype: torch.dtype, preset: str, steps: int, restarts: 
     tall = x.size(-2) > x.size(-1)
     src = x.mT if tall else x
     work = torch.empty(src.shape, dtype=dtype)
-    _normalize_into(src, work, k + 1e-7)
+    _normalize_into([src], work, k + 1e-7, transpose=False)
     box = [work]
     out = _newton_schulz_(box, schedule) if restarts is None else _gram_newton_schulz_(box, schedule, restarts)
     return out.mT if tall else out

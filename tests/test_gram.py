@@ -83,7 +83,7 @@ def test_gram_restart_policy_by_dtype_and_steps() -> None:
 def test_fp32_gram_at_five_steps_runs_without_a_restart() -> None:
     x = HARD[0][1].float()
     short = torch.empty_like(x)
-    _normalize_into(x, short, 1.02 + 1e-7)
+    _normalize_into([x], short, 1.02 + 1e-7, transpose=False)
     schedule = PRESETS["polar_express"].schedule(5)
     expected = _gram_newton_schulz_([short.clone()], schedule, ())
     assert not torch.equal(expected, _gram_newton_schulz_([short], schedule, (2,)))
@@ -115,7 +115,7 @@ def test_dropping_the_restart_is_unsafe_beyond_the_policy(
     at 5 steps (Polar Express) send singular values far out of the band (measured 2.9 and 4e18)."""
     x = HARD[0][1].float()
     work = torch.empty_like(x, dtype=dtype)
-    _normalize_into(x, work, PRESETS[preset].norm_factor + 1e-7)
+    _normalize_into([x], work, PRESETS[preset].norm_factor + 1e-7, transpose=False)
     out = _gram_newton_schulz_([work], PRESETS[preset].schedule(steps), ()).double()
     worst = max(torch.linalg.svdvals(o).max().item() if torch.isfinite(o).all() else math.inf for o in out)
     assert worst > top
