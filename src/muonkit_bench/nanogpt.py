@@ -22,6 +22,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -38,7 +39,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "run": {"steps": 40, "batch_size": 8, "eval_interval": 10, "eval_batches": 2},
     },
 }
-_MODEL_FLAGS = ("block_size", "n_layer", "n_head", "n_embd")
+MODEL_FLAGS = ("block_size", "n_layer", "n_head", "n_embd")
 _RUN_FLAGS = (
     "steps", "batch_size", "eval_interval", "eval_batches", "lr", "adamw_lr", "weight_decay",
     "adamw_weight_decay", "warmup_frac", "decay_frac", "grad_clip", "seed", "threads", "device", "normuon_lr",
@@ -47,14 +48,21 @@ NAMES = {"adamw": "AdamW", "muon": "HybridMuon", "normuon": "NorMuon"}
 """Each ``--optimizers`` choice and its name in the table and the JSON."""
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="demo", help="sizes to start from (default: demo)")
-    parser.add_argument("--out", default="runs/nanogpt", help="directory for nanogpt.json and nanogpt.png")
+def add_run_arguments(parser: argparse.ArgumentParser, *, presets: Sequence[str], default: str, out: str) -> None:
+    """The flags every training benchmark shares: preset, output folder, corpus cache, sizes."""
+    parser.add_argument(
+        "--preset", choices=sorted(presets), default=default, help=f"sizes to start from (default: {default})"
+    )
+    parser.add_argument("--out", default=out, help=f"output folder (default: {out})")
     parser.add_argument("--cache-dir", help="corpus cache (default: $MUONKIT_CACHE or ~/.cache/muonkit)")
     sizes = parser.add_argument_group("sizes (default: the preset's)")
     sizes.add_argument("--vocab-size", type=int, help="BPE vocabulary")
-    for name in (*_MODEL_FLAGS, "steps", "batch_size", "eval_interval", "eval_batches"):
+    for name in (*MODEL_FLAGS, "steps", "batch_size", "eval_interval", "eval_batches"):
         sizes.add_argument("--" + name.replace("_", "-"), type=int)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_run_arguments(parser, presets=list(PRESETS), default="demo", out="runs/nanogpt")
     hyper = parser.add_argument_group("hyperparameters (default: muonkit_bench.train.RunConfig's)")
     parser.add_argument(
         "--optimizers",
@@ -98,7 +106,7 @@ def build_configs(args: argparse.Namespace) -> tuple[dict[str, Any], Any]:
 
     preset = PRESETS[args.preset]
     corpus = {"vocab_size": args.vocab_size or preset["vocab_size"], "cache_dir": args.cache_dir}
-    model = {**preset["model"], **{k: getattr(args, k) for k in _MODEL_FLAGS if getattr(args, k) is not None}}
+    model = {**preset["model"], **{k: getattr(args, k) for k in MODEL_FLAGS if getattr(args, k) is not None}}
     run = {**preset["run"], **{k: getattr(args, k) for k in _RUN_FLAGS if getattr(args, k, None) is not None}}
     if args.split_qkv:
         run["split_qkv"] = True

@@ -61,7 +61,6 @@ PRESETS: dict[str, dict[str, Any]] = {
         "qk_clip": {"threshold": 2.0},
     },
 }
-_MODEL_FLAGS = ("block_size", "n_layer", "n_head", "n_embd")
 _RUN_FLAGS = (
     "steps",
     "batch_size",
@@ -77,13 +76,9 @@ ARMS = ("no clip", "QK-Clip")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="default", help="sizes to start from")
-    parser.add_argument("--out", default="runs/qk-clip", help="directory for qk_clip.json and qk_clip.png")
-    parser.add_argument("--cache-dir", help="corpus cache (default: $MUONKIT_CACHE or ~/.cache/muonkit)")
-    sizes = parser.add_argument_group("sizes (default: the preset's)")
-    sizes.add_argument("--vocab-size", type=int, help="BPE vocabulary")
-    for name in (*_MODEL_FLAGS, "steps", "batch_size", "eval_interval", "eval_batches"):
-        sizes.add_argument("--" + name.replace("_", "-"), type=int)
+    from muonkit_bench.nanogpt import add_run_arguments
+
+    add_run_arguments(parser, presets=list(PRESETS), default="default", out="runs/qk-clip")
     hyper = parser.add_argument_group("hyperparameters (default: the preset's, then RunConfig's)")
     hyper.add_argument("--lr", type=float, help="Muon lr (Keller shape scaling)")
     hyper.add_argument("--adamw-lr", type=float, help="lr of the AdamW groups (embeddings, head, norms)")
@@ -249,11 +244,12 @@ def run_arm(
 def build_configs(args: argparse.Namespace) -> tuple[dict[str, Any], RunConfig, dict[str, float]]:
     """(corpus kwargs, base RunConfig, QKClip options) from the preset and the flags."""
     from muonkit_bench.model import GPTConfig
+    from muonkit_bench.nanogpt import MODEL_FLAGS
     from muonkit_bench.train import RunConfig
 
     preset = PRESETS[args.preset]
     corpus = {"vocab_size": args.vocab_size or preset["vocab_size"], "cache_dir": args.cache_dir}
-    model = {**preset["model"], **{k: getattr(args, k) for k in _MODEL_FLAGS if getattr(args, k) is not None}}
+    model = {**preset["model"], **{k: getattr(args, k) for k in MODEL_FLAGS if getattr(args, k) is not None}}
     run = {**preset["run"], **{k: getattr(args, k) for k in _RUN_FLAGS if getattr(args, k) is not None}}
     qk_clip = {
         **preset["qk_clip"],
