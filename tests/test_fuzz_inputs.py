@@ -76,6 +76,7 @@ GROUP_VALUES: dict[str, st.SearchStrategy[Any]] = {
     "ns_method": _or_anything(st.sampled_from(["gram", "newton_schulz", "svd"])),
     "betas": _pair(unit),
     "cautious_wd": _or_anything(st.booleans()),
+    "ns_compile": _or_anything(st.booleans()),
     "algorithm": st.sampled_from(["muon", "muon", "adamw", None, "sgd", 3, "normuon"]),
 }
 UNKNOWN_KEYS = ["ns_step", "adjust_lr_fn", "momentun", "foreach", "maximize", "beta1", "color", "LR"]
@@ -88,6 +89,7 @@ CONSTRUCTOR_VALUES = {
     "adamw_eps": _or_anything(st.floats(1e-12, 1e-3)),
     "adamw_weight_decay": _or_anything(small),
     "nonfinite": st.sampled_from(["skip", "raise", "unchecked", "ignore", None]),
+    "capturable": _or_anything(st.booleans()),
 }
 
 
@@ -119,6 +121,7 @@ def _check_stored(group: dict[str, Any]) -> None:
     lr, eps, wd = _real(group["lr"]), _real(group["eps"]), _real(group["weight_decay"])
     assert math.isfinite(lr) and lr >= 0 and math.isfinite(eps) and eps > 0 and math.isfinite(wd) and wd >= 0
     assert type(group["cautious_wd"]) is bool
+    assert type(group.get("ns_compile", False)) is bool
     assert ("beta2" in group) == (group["algorithm"] == "normuon")
     if group["algorithm"] == "normuon":
         assert 0 <= _real(group["beta2"]) < 1
