@@ -121,12 +121,12 @@ def _check_stored(group: dict[str, Any]) -> None:
     lr, eps, wd = _real(group["lr"]), _real(group["eps"]), _real(group["weight_decay"])
     assert math.isfinite(lr) and lr >= 0 and math.isfinite(eps) and eps > 0 and math.isfinite(wd) and wd >= 0
     assert type(group["cautious_wd"]) is bool
-    assert type(group.get("ns_compile", False)) is bool
     assert ("beta2" in group) == (group["algorithm"] == "normuon")
     if group["algorithm"] == "normuon":
         assert 0 <= _real(group["beta2"]) < 1
     if group["algorithm"] in ("muon", "normuon"):
         assert 0 <= _real(group["momentum"]) < 1 and type(group["nesterov"]) is bool
+        assert type(group["ns_compile"]) is bool
         steps = group["ns_steps"]
         assert steps is None or (type(steps) is int and 1 <= steps <= 100)
     else:
