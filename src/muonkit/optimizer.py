@@ -532,7 +532,7 @@ class HybridMuon(Optimizer):
         value per matrix row of each whole tensor ``p`` stands for, on every rank."""
         rows = self.state.get(p, {}).get(_ROWS)
         if rows is None:
-            count = sum(normuon_rows(shape, config.layout) for shape in self.strategy.whole_shapes(p))
+            count = _row_count(p, whole_shapes=self.strategy.whole_shapes, layout=config.layout) or 0
             rows = torch.zeros(count, dtype=self._state_dtype(p), device=p.device)
         return rows
 
