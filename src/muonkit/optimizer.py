@@ -126,7 +126,8 @@ class HybridMuon(Optimizer):
             step is skipped on every group and rank, a warning is logged and ``skipped_steps``
             counts it; costs one norm pass over the gradients and directions, one blocking read
             of the device per step (the verdict, read after all of the step's directions are
-            launched; on the CPU reads wait for nothing) and holding every Muon direction until
+            launched; on the CPU reads wait for nothing; distributed strategies check that ranks
+            agree on the host and read nothing more) and holding every Muon direction until
             the verdict (one fp32 copy of the local Muon params). ``"raise"``:
             ``FloatingPointError`` before anything changes. ``"unchecked"``: no check and no
             read; each chunk is applied as soon as it is computed.
@@ -386,6 +387,7 @@ class HybridMuon(Optimizer):
             # one chunk) and nothing is read.
             chunks = [list(c) for c in chunks]
             if not self._finite_or_skip(work, cast(list[list[_MuonChunk]], chunks)):
+                strategy.end_step()
                 return loss
         for config, params, pending, rates in zip(configs, work, chunks, self._rates(configs), strict=True):
             if isinstance(config, MuonConfig):
@@ -393,6 +395,7 @@ class HybridMuon(Optimizer):
                     self._commit_muon(batch, config, rates)
             else:
                 self._adamw_step(params, cast(AdamWConfig, config), rates)
+        strategy.end_step()
         return loss
 
     def _group_configs(self) -> list[MuonConfig | AdamWConfig]:

@@ -202,11 +202,15 @@ def count_ops(
 
 
 def step_tensors(optimizer: Any) -> list[torch.Tensor]:
-    """The ``step`` counters in ``optimizer``'s state that live on the CPU (host tensors in a device run).
+    """The tensors of ``optimizer`` that live on the CPU in a device run too: its ``step`` counters and
+    a muonkit strategy's host tensors (the agreement vector, :meth:`~muonkit.distributed.Strategy.host_tensors`).
 
-    torch.optim (without ``capturable``/``fused``) and muonkit keep them on the CPU whatever the
-    params' device, so reading them costs no sync; in a CPU run they are passed as ``host=``.
+    torch.optim (without ``capturable``/``fused``) and muonkit keep step counters on the CPU
+    whatever the params' device, and muonkit's distributed strategies reduce what ranks must agree
+    on over a CPU group, so reading them costs no sync; in a CPU run they are passed as ``host=``.
     """
     state = getattr(optimizer, "state", {})
     steps = [s.get("step") for s in state.values() if isinstance(s, dict)]
-    return [s for s in steps if isinstance(s, torch.Tensor) and s.device.type == "cpu"]
+    host = [s for s in steps if isinstance(s, torch.Tensor) and s.device.type == "cpu"]
+    strategy_host = getattr(getattr(optimizer, "strategy", None), "host_tensors", None)
+    return host + list(strategy_host()) if callable(strategy_host) else host

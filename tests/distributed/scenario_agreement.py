@@ -10,6 +10,7 @@ is exact).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -37,6 +38,7 @@ import muonkit
 from muonkit.distributed import SingleDeviceStrategy, collectives
 from muonkit.distributed.zero import ZeroStrategy
 from muonkit.distributed.zero_layout import contiguous_layout
+from muonkit_bench.op_counts import count_ops, step_tensors
 
 LAYOUTS = ("ddp", "fsdp", "zero")
 ZERO_SHAPES = [(6, 5), (0, 8), (4, 4), (8, 0), (3, 4)]  # straddling and zero-size params
@@ -161,6 +163,7 @@ def identical_settings_pass_with_a_scheduler_and_one_small_all_reduce_each(ctx: 
 
 @check(2, 4)
 def every_flag_reduction_is_placed_by_flag_device(ctx: Context) -> None:
+    """The verdict goes where the backend reduces (flag_device); the agreement, host data, stays on the CPU."""
     placed: list[torch.device] = []
     original = collectives.flag_device
 
@@ -177,10 +180,56 @@ def every_flag_reduction_is_placed_by_flag_device(ctx: Context) -> None:
                 placed.clear()
                 with _spy_all_reduce() as calls:
                     opt.step()
-                assert len(calls) == len(placed) == 2, f"{layout}: {len(calls)} all_reduces, {len(placed)} placed"
-                assert [t.device for t in calls] == placed, f"{layout}: {[t.device for t in calls]} vs {placed}"
+                # the agreement (host data, reduced on the CPU) and the verdict (placed)
+                assert len(calls) == 2 and len(placed) == 1, f"{layout}: {len(calls)} all_reduces, {len(placed)} placed"
+                assert calls[0].device.type == "cpu", f"{layout}: the agreement went to {calls[0].device}"
+                assert calls[1].device == placed[0], f"{layout}: {calls[1].device} vs {placed}"
     finally:
         collectives.flag_device = original
+
+
+@check(2, 4)
+def a_step_reads_the_device_once_and_unchecked_never(ctx: Context) -> None:
+    """The agreement (settings, which params have gradients) is host data, reduced on the host: a
+    default step's one blocking read is the non-finite verdict, an unchecked step reads nothing
+    (counted as on a GPU: every tensor but host memory is a device tensor). The first step is not
+    counted: it cuts the params into pieces with index arithmetic on CPU tensors (arange, the
+    mesh's rank table), host tensors in a device run too that the counter cannot tell apart here."""
+    for layout in LAYOUTS:
+        for nonfinite, reads in (("skip", 1), ("raise", 1), ("unchecked", 0)):
+            params, opt = _build(layout, ctx, nonfinite=nonfinite)
+            for step in range(3):
+                _grads(layout, params, step)
+                if step == 0:  # builds the layouts from the meshes' rank tables: CPU tensors in any run
+                    opt.step()
+                    continue
+                counts = count_ops(opt.step, host=functools.partial(step_tensors, opt))
+                assert counts.reads == reads, (layout, nonfinite, step, counts.reads_by_op)
+
+
+@check(2, 4)
+def a_backend_without_cpu_tensors_gets_a_gloo_group_for_the_agreement(ctx: Context) -> None:
+    """As beside an NCCL-only group: the agreement goes through a gloo group over the same ranks,
+    made once, and still makes every rank raise on a disagreement."""
+    original = collectives.reduces_cpu
+    collectives.reduces_cpu = lambda group: False
+    try:
+        for layout in ("ddp", "fsdp"):
+            params, opt = _build(layout, ctx)
+            for step in range(2):
+                _grads(layout, params, step)
+                opt.step()
+            comm = opt.strategy.comm  # type: ignore[attr-defined]
+            host = comm.host_group
+            assert host is not comm.group and host is comm.host_group, layout
+            assert dist.get_backend(host) == "gloo" and dist.get_world_size(host) == ctx.world_size, layout
+            assert dist.get_process_group_ranks(host) == dist.get_process_group_ranks(comm.group or dist.group.WORLD)
+            params, opt = _build(layout, ctx)
+            _grads(layout, params, 0)
+            opt.param_groups[0]["lr"] = 0.01 if ctx.rank == ctx.world_size - 1 else 0.02
+            _raises(opt.step, ValueError, "settings differ across ranks", "param group 0 lr (here 0.0")
+    finally:
+        collectives.reduces_cpu = original
 
 
 ZERO_SIZE_ZOO = [

@@ -18,7 +18,9 @@ Every layout is built with plain torch APIs and ``HybridMuon(param_groups(model)
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
+from typing import cast
 
 import pytest
 import torch
@@ -44,6 +46,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 import muonkit
+from muonkit_bench.op_counts import count_ops, step_tensors
 
 STEPS = 4
 INF_STEP = 2  # an inf in one rank's gradient: every rank must skip the step
@@ -199,8 +202,41 @@ def plain_params_with_different_gradients_on_some_rank_raise_on_every_rank(ctx: 
         plain.grad.view(-1)[0] += 1.0
     before = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(ValueError, match="gradients of the plain params replicated beside the DTensors"):
+        opt.step()  # checked with the non-finite verdict: the step's one read, before anything changes
+    assert all(torch.equal(a, p.detach()) for a, p in zip(before, model.parameters(), strict=True))
+    # Unchecked (no verdict, no read), the fingerprint is checked one step late from a host copy:
+    # the differing step is applied, the next one raises on every rank before changing anything.
+    model, opt = build("tp_plain", ctx.world_size)
+    opt.nonfinite = "unchecked"
+    plain = next(p for p in model.parameters() if not isinstance(p, DTensor))
+    set_grads(model, 0)
+    opt.step()
+    for step in (1, 2):
+        set_grads(model, step)
+        if ctx.rank == 1 and step == 2:
+            cast(torch.Tensor, plain.grad).view(-1)[0] += 1.0
+        counts = count_ops(opt.step, host=functools.partial(step_tensors, opt))
+        assert counts.reads == 0, counts.reads_by_op
+    set_grads(model, 3)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match="replicated beside the DTensors differ across ranks at the previous step"):
         opt.step()
     assert all(torch.equal(a, p.detach()) for a, p in zip(before, model.parameters(), strict=True))
+
+
+@check(4)
+def tp_with_plain_params_reads_the_device_once_per_step_and_unchecked_never(ctx: Context) -> None:
+    """The agreement is reduced on the host; the plain params' fingerprint rides with the verdict."""
+    for nonfinite, reads in (("skip", 1), ("unchecked", 0)):
+        model, opt = build("tp_plain", ctx.world_size)
+        opt.nonfinite = nonfinite
+        for step in range(3):
+            set_grads(model, step)
+            if step == 0:  # index arithmetic on CPU tensors (see scenario_agreement): not counted
+                opt.step()
+                continue
+            counts = count_ops(opt.step, host=functools.partial(step_tensors, opt))
+            assert counts.reads == reads, (nonfinite, step, counts.reads_by_op)
 
 
 @check(4, both_ns_defaults=True)

@@ -11,8 +11,8 @@ import torch.distributed as dist
 
 import muonkit
 from muonkit.config import group_config
-from muonkit.distributed.agreement import Setting, check_agreement, encode, place, settings_of, value_words
-from muonkit.distributed.collectives import flag_device
+from muonkit.distributed.agreement import Setting, check_agreement, encode, settings_of, value_words
+from muonkit.distributed.collectives import _check_equal, flag_device
 
 
 @pytest.mark.parametrize(
@@ -73,28 +73,27 @@ def test_differing_gradients_name_the_positions() -> None:
         check_agreement(reduced, settings, [True, True])
 
 
-def _with_values(settings: list[Setting], has_grad: list[bool], values: torch.Tensor) -> torch.Tensor:
+def _min_reduce(vectors: list[list[int]]) -> list[int]:
+    return torch.tensor(vectors).amin(0).tolist()  # what all_reduce(MIN) leaves on every rank
+
+
+def _value_vector(values: torch.Tensor) -> list[int]:
     words = value_words(values)
-    encoded = encode(settings, has_grad, room=words.numel())
-    place(encoded, words, at=len(settings) + len(has_grad))
-    return encoded
+    return torch.cat([words, -words]).tolist()
 
 
-def test_values_computed_on_the_device_join_the_agreement() -> None:
-    """A fingerprint of gradients is placed into the vector as it is (no host read) and checked
-    with it: equal on every rank passes, a difference in the last bit is named."""
-    settings, flags = _settings(), [True, True]
+def test_device_values_every_rank_must_share_are_checked_bit_for_bit() -> None:
+    """A fingerprint of gradients (what :meth:`Collectives.expect_equal` sends with the verdict or
+    one step late): equal on every rank passes, a difference in the last bit raises, naming it."""
     sums = torch.tensor([1.5, -2.25e-30, 0.0], dtype=torch.float64)
-    named = ("gradients of the plain params", 2 * sums.numel())
-    check_agreement(_reduce([_with_values(settings, flags, sums)] * 3), settings, flags, values=named)
+    _check_equal("gradients of the plain params", _min_reduce([_value_vector(sums)] * 3), late=False)
     other = sums.clone()
     other[1] = torch.nextafter(other[1], torch.tensor(0.0, dtype=torch.float64))
-    reduced = _reduce([_with_values(settings, flags, sums), _with_values(settings, flags, other)])
-    with pytest.raises(ValueError, match="gradients of the plain params differ across ranks"):
-        check_agreement(reduced, settings, flags, values=named)
-    reduced = _reduce([_with_values(settings, flags, sums), _with_values(settings, [True, False], sums)])
-    with pytest.raises(RuntimeError, match="at positions \\[1\\]"):  # the flags are named before the values
-        check_agreement(reduced, settings, flags, values=named)
+    reduced = _min_reduce([_value_vector(sums), _value_vector(other)])
+    with pytest.raises(ValueError, match=r"gradients of the plain params differ across ranks\. Every rank"):
+        _check_equal("gradients of the plain params", reduced, late=False)
+    with pytest.raises(ValueError, match=r"differ across ranks at the previous step .*that step was applied"):
+        _check_equal("gradients of the plain params", reduced, late=True)
 
 
 def test_a_steady_state_step_reuses_its_plan_without_building_jobs(one_rank: None) -> None:

@@ -17,6 +17,7 @@ tests/test_hybrid_muon.py's):
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 from collections.abc import Iterator
 
@@ -142,6 +143,36 @@ def test_fsdp2_on_a_one_rank_mesh_matches_a_plain_hybrid_muon(one_rank_group: st
         full = p.full_tensor()
         torch.testing.assert_close(full, q, rtol=1e-5, atol=1e-6, msg=name)
         assert not torch.equal(full, p0), name
+
+
+@pytest.mark.parametrize("nonfinite", ["skip", "unchecked"])
+def test_a_distributed_step_reads_the_device_at_most_once(one_rank_group: str, nonfinite: str) -> None:
+    """Under NCCL (no CPU tensors) the agreement goes through a gloo group over the same ranks, so
+    a default step's one blocking read is the verdict and an unchecked step reads nothing; counted
+    on the device itself (in the dry run: on the CPU, standing in for one)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from muonkit_bench.op_counts import count_ops, step_tensors
+
+    device = one_rank_group
+    torch.manual_seed(0)
+    sharded, replicated = Mlp().to(device), Mlp().to(device)
+    fully_shard(sharded, mesh=init_device_mesh(device, (1,)))
+    for model, kwargs in ((sharded, {}), (replicated, {"process_group": dist.group.WORLD})):
+        opt = muonkit.HybridMuon(muonkit.param_groups(model), nonfinite=nonfinite, **kwargs)  # type: ignore[arg-type]
+        gen = torch.Generator().manual_seed(0)
+        for step in range(3):
+            model(torch.randn(8, 32, generator=gen).to(device)).square().mean().backward()
+            if step == 0:
+                opt.step()  # builds the layouts (index arithmetic on CPU tensors)
+            else:
+                counts = count_ops(opt.step, host=functools.partial(step_tensors, opt), device=device)
+                assert counts.reads == (0 if nonfinite == "unchecked" else 1), counts.reads_by_op
+            opt.zero_grad()
+        comm = opt.strategy.comm  # type: ignore[attr-defined]
+        if device == "cuda":
+            assert dist.get_backend(comm.host_group) == "gloo" and comm.host_group is not comm.group
 
 
 def _accepts_capturable() -> bool:

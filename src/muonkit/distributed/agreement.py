@@ -1,4 +1,4 @@
-"""What every rank must agree on before a distributed step, checked in one tiny all-reduce.
+"""What every rank must agree on before a distributed step, checked in one tiny all-reduce on the host.
 
 Ranks that step different params hang a collective or mix unrelated tensors in it; ranks with
 different hyperparameters (an lr set per rank by mistake) silently train different models. So
@@ -20,6 +20,11 @@ somewhere exactly when they differ. Hashes are 62 bits (blake2b of the setting's
 two different values has probability ~2^-62 per setting. The vector is zero-padded to a power of
 two (at least 64 words): ranks whose param counts differ by a few (an extra group on one rank)
 still issue the same collective and get the "param groups differ" error instead of a crash in it.
+
+All of it is known on the host, so the vector is built and reduced there (over
+:attr:`~muonkit.distributed.collectives.Collectives.host_group`: the group itself, or a gloo
+group beside an NCCL one), and reading it makes the host wait for no device work. Device values
+ranks must share (:func:`value_words`) are checked with the step's non-finite verdict instead.
 
 Every rank sees the same reduced vector, so every rank raises the same error (naming the setting
 and its value on that rank) and none is left waiting in a later collective. Lr schedulers that
@@ -77,13 +82,10 @@ def settings_of(
     return settings
 
 
-def encode(settings: Sequence[Setting], has_grad: Sequence[bool], *, room: int = 0) -> torch.Tensor:
-    """This rank's int64 vector: setting hashes, gradient flags, zero padding, then all negated.
-
-    ``room``: words left zero after the flags, for values computed on the device (:func:`place`).
-    """
+def encode(settings: Sequence[Setting], has_grad: Sequence[bool]) -> torch.Tensor:
+    """This rank's int64 vector (on the CPU): setting hashes, gradient flags, zero padding, then all negated."""
     words = [s.word() for s in settings] + [int(bool(f)) for f in has_grad]
-    size = max(_MIN_WORDS, 1 << max(0, len(words) + room - 1).bit_length())
+    size = max(_MIN_WORDS, 1 << max(0, len(words) - 1).bit_length())
     mine = torch.zeros(size, dtype=torch.int64)
     mine[: len(words)] = torch.tensor(words, dtype=torch.int64)
     return torch.cat([mine, -mine])
@@ -96,32 +98,19 @@ def value_words(values: torch.Tensor) -> torch.Tensor:
     return torch.cat([bits & 0xFFFFFFFF, (bits >> 32) & 0xFFFFFFFF])
 
 
-def place(encoded: torch.Tensor, words: torch.Tensor, *, at: int) -> None:
-    """Write ``words`` (int64 in [0, 2**62), on ``encoded``'s device) into :func:`encode`'s room at ``at``."""
-    size = encoded.numel() // 2
-    encoded[at : at + words.numel()] = words
-    encoded[size + at : size + at + words.numel()] = -words
+def check_agreement(reduced: torch.Tensor, settings: Sequence[Setting], has_grad: Sequence[bool]) -> None:
+    """Raise unless the MAX all-reduce of :func:`encode` (a host tensor) shows every rank holding the same words.
 
-
-def check_agreement(
-    reduced: torch.Tensor,
-    settings: Sequence[Setting],
-    has_grad: Sequence[bool],
-    *,
-    values: tuple[str, int] | None = None,
-) -> None:
-    """Raise unless the MAX all-reduce of :func:`encode` shows every rank holding the same words.
-
-    ``values``: the name and word count of the values :func:`place` put after the flags.
-    Raises ``ValueError`` when param groups, settings or those values differ (a setup mistake)
-    and ``RuntimeError`` when only the params with gradients differ.
+    Raises ``ValueError`` when param groups or settings differ (a setup mistake) and
+    ``RuntimeError`` when only the params with gradients differ.
     """
-    size = reduced.numel() // 2
-    differ = (reduced[:size] + reduced[size:]).ne(0).nonzero().flatten().tolist()  # max != min
+    got = reduced.tolist()  # a host tensor: reading it waits for nothing
+    size = len(got) // 2
+    differ = [k for k in range(size) if got[k] + got[size + k] != 0]  # max != min
     if not differ:
         return
     flags_end = len(settings) + len(has_grad)
-    if differ[0] == 0 or differ[0] >= flags_end + (values[1] if values else 0):  # shapes differ: nothing aligns
+    if differ[0] == 0 or differ[0] >= flags_end:  # shapes differ: nothing aligns
         first = settings[0]
         raise ValueError(
             f"HybridMuon's {first.name} differ across ranks; on this rank: {_short(first.value)}. Every rank must "
@@ -135,11 +124,6 @@ def check_agreement(
             "use the same hyperparameters (set them, and step lr schedulers, identically on every rank)"
         )
     positions = [k - len(settings) for k in differ if k < flags_end]
-    if not positions and values:
-        raise ValueError(
-            f"HybridMuon's {values[0]} differ across ranks. Every rank must step the same values: average "
-            "them over the ranks that share them (e.g. leave the module inside the data-parallel wrapper)"
-        )
     raise RuntimeError(
         f"Ranks disagree on which params have gradients at positions {positions[:10]}"
         f"{'...' if len(positions) > 10 else ''}: every rank must step the same params (a param's .grad must be "

@@ -81,10 +81,26 @@ class Strategy(ABC):
         ``settings``: what else ranks must share (see :func:`muonkit.distributed.agreement.settings_of`),
         called only by strategies that communicate. Those raise on every rank when ranks disagree,
         which would otherwise hang a collective, mix different tensors in it or let the replicas
-        drift apart; they check it in the one small all-reduce per step they need anyway. One
+        drift apart; they check it in one small all-reduce on the host (no device read). One
         device: nothing to do.
         """
         del has_grad, settings
+
+    def end_step(self) -> None:
+        """Called at the end of every ``step()`` that applied or skipped its updates (not after an error).
+
+        Communicating strategies start there the late checks of a step without a verdict
+        (:meth:`~muonkit.distributed.collectives.Collectives.end_step`). Default: nothing.
+        """
+        return None
+
+    def host_tensors(self) -> list[Tensor]:
+        """The tensors of this strategy's latest checks that live in host memory on any device.
+
+        Reading them makes the host wait for no device work (for counting reads in a CPU run that
+        stands in for a device run: :mod:`muonkit_bench.op_counts`). Default: none.
+        """
+        return []
 
     def align_grads(self, params: Sequence[Tensor]) -> None:
         """Lay out each param's gradient like the param, where an engine left it otherwise.

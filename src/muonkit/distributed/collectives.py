@@ -26,7 +26,7 @@ from torch import Tensor
 from muonkit.distributed import agreement
 from muonkit.distributed.base import StrategyStats
 
-__all__ = ["Collectives", "Pending", "flag_device", "group_of"]
+__all__ = ["Collectives", "Pending", "flag_device", "group_of", "reduces_cpu"]
 
 
 class Pending:
@@ -67,15 +67,28 @@ def flag_device(group: Any) -> torch.device:
     Example: ``flag_device(group)`` is ``cpu`` for a gloo group and ``cuda:3`` for an NCCL group on
     the rank that set ``torch.cuda.set_device(3)``.
     """
-    config = str(dist.get_backend_config(group))  # "cpu:gloo,cuda:nccl", "cuda:nccl", "cpu:gloo,cuda:gloo"...
-    devices = [entry.split(":", 1)[0].strip() for entry in config.split(",") if ":" in entry]
+    devices = _backend_devices(group)  # "cpu:gloo,cuda:nccl", "cuda:nccl", "cpu:gloo,cuda:gloo"...
     if not devices or "cpu" in devices:
         return torch.device("cpu")
     return torch.device(devices[0], torch.get_device_module(devices[0]).current_device())
 
 
+def reduces_cpu(group: Any) -> bool:
+    """Whether ``group``'s backend reduces CPU tensors (gloo, MPI, UCC, ``"cpu:gloo,cuda:nccl"``)."""
+    devices = _backend_devices(group)
+    return not devices or "cpu" in devices
+
+
 class Collectives:
-    """Counted collectives on one process group."""
+    """Counted collectives on one process group.
+
+    What ranks must agree on before a step (settings, which params have gradients) is known on
+    the host, so it is reduced on the host: over :attr:`host_group`, never through the device, so
+    the check makes the host wait for no device work. Values that live on the device and must be
+    equal on every rank (:meth:`expect_equal`) ride with the step's non-finite verdict
+    (:meth:`all_ranks_true`, the step's one blocking read) or, in a step without one, are checked
+    one step late from a host copy that waited for nothing (:meth:`end_step`).
+    """
 
     def __init__(self, group: Any, stats: StrategyStats) -> None:
         if not dist.is_available() or not dist.is_initialized():
@@ -84,10 +97,31 @@ class Collectives:
         self.stats = stats
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
+        self._host_group: tuple[Any] | None = None  # made at the first use
+        self._values: tuple[str, Tensor] | None = None
+        self._late: tuple[str, Tensor, Any] | None = None
+        self.host_buffers: list[Tensor] = []
+        """The host tensors of the latest checks (for counting reads: host memory in a device run too)."""
 
     def _count(self, nbytes: float) -> None:
         self.stats.collectives += 1
         self.stats.bytes_sent += round(nbytes)
+
+    @property
+    def host_group(self) -> Any:
+        """The group that reduces this group's host tensors: the group itself where its backend
+        reduces CPU tensors, else (an NCCL-only group) a gloo group over the same ranks, made at the
+        first use, which every rank of the group reaches at the same point of the same step.
+        ``None`` where gloo is not available: host tensors then go through the device."""
+        if self._host_group is None:
+            if reduces_cpu(self.group):
+                self._host_group = (self.group if self.group is not None else dist.group.WORLD,)
+            elif dist.is_gloo_available():
+                ranks = dist.get_process_group_ranks(self.group if self.group is not None else dist.group.WORLD)
+                self._host_group = (dist.new_group(ranks, backend="gloo", use_local_synchronization=True),)
+            else:
+                self._host_group = (None,)
+        return self._host_group[0]
 
     def all_to_all_single(
         self, output: Tensor, input: Tensor, *, output_splits: list[int], input_splits: list[int]
@@ -98,35 +132,109 @@ class Collectives:
         work = dist.all_to_all_single(output, input, output_splits, input_splits, group=self.group, async_op=True)
         return Pending(work, output, input)
 
-    def all_reduce(self, t: Tensor, *, op: Any) -> None:
-        """Blocking in-place ``all_reduce``."""
+    def all_reduce(self, t: Tensor, *, op: Any, group: Any = None) -> None:
+        """Blocking in-place ``all_reduce`` (over ``group``: default, this one)."""
         self._count(2 * (self.world_size - 1) / self.world_size * t.numel() * t.element_size())
-        dist.all_reduce(t, op=op, group=self.group)
+        dist.all_reduce(t, op=op, group=self.group if group is None else group)
+
+    def expect_equal(self, name: str, values: Tensor) -> None:
+        """Device ``values`` (float, any shape) every rank must hold bit for bit, checked with this
+        step's verdict (:meth:`all_ranks_true`) or, in a step without one, one step late (:meth:`end_step`)."""
+        self._values = (name, values.detach())
 
     def all_ranks_true(self, flags: Tensor) -> list[bool]:
-        """Whether each of a few booleans is true on every rank (one tiny all_reduce MIN)."""
-        t = flags.detach().to(device=flag_device(self.group), dtype=torch.int32).reshape(-1).clone()
-        self.all_reduce(t, op=dist.ReduceOp.MIN)
-        return [bool(x) for x in t.tolist()]
+        """Whether each of a few booleans is true on every rank (one tiny all_reduce MIN, one read).
 
-    def check_agreement(
-        self,
-        settings: Sequence[agreement.Setting],
-        has_grad: Sequence[bool],
-        *,
-        values: tuple[str, Tensor] | None = None,
-    ) -> None:
-        """Raise on every rank (never hang) unless all ranks hold the same settings and gradient
-        flags (one tiny all_reduce MAX; see :mod:`muonkit.distributed.agreement`).
-
-        ``values``: a name and device values every rank must share too (a fingerprint of
-        gradients), added to the same vector on the device: no read of their own.
+        Values given to :meth:`expect_equal` join the same vector, as the words of
+        :func:`~muonkit.distributed.agreement.value_words` and their negations: the minimum of
+        ``-x`` is minus the maximum of ``x``, so a word differs somewhere exactly when its two
+        minima do not cancel. They raise ``ValueError`` on every rank.
         """
-        words = None if values is None else agreement.value_words(values[1])
-        room = 0 if words is None else words.numel()
-        encoded = agreement.encode(settings, has_grad, room=room).to(flag_device(self.group))
-        if words is not None:
-            agreement.place(encoded, words.to(encoded.device), at=len(settings) + len(has_grad))
-        self.all_reduce(encoded, op=dist.ReduceOp.MAX)
-        named = None if values is None else (values[0], room)
-        agreement.check_agreement(encoded.cpu(), settings, has_grad, values=named)
+        device = flag_device(self.group)
+        t = flags.detach().to(device=device, dtype=torch.int64).reshape(-1)
+        named = self._values
+        self._values = None
+        if named is None:
+            t = t.clone()
+        else:
+            words = agreement.value_words(named[1]).to(device)
+            t = torch.cat([t, words, -words])
+        self.all_reduce(t, op=dist.ReduceOp.MIN)
+        got = t.tolist()  # the step's one blocking read
+        count = flags.numel()
+        if named is not None:
+            _check_equal(named[0], got[count:], late=False)
+        return [bool(x) for x in got[:count]]
+
+    def check_agreement(self, settings: Sequence[agreement.Setting], has_grad: Sequence[bool]) -> None:
+        """Raise on every rank (never hang) unless all ranks hold the same settings and gradient
+        flags (one tiny all_reduce MAX on the host; see :mod:`muonkit.distributed.agreement`).
+
+        First the values of the previous step's late check (:meth:`end_step`), if any.
+        """
+        self._values = None
+        self._check_late()
+        encoded = agreement.encode(settings, has_grad)
+        group = self.host_group
+        if group is None:  # no gloo: through the device, with a read
+            encoded, self.host_buffers = encoded.to(flag_device(self.group)), []
+        else:
+            self.host_buffers = [encoded]
+        self.all_reduce(encoded, op=dist.ReduceOp.MAX, group=group)
+        agreement.check_agreement(encoded.cpu(), settings, has_grad)
+
+    def end_step(self) -> None:
+        """After a step without a verdict: start the late check of its :meth:`expect_equal` values.
+
+        Their words are reduced where they are and copied to the host without waiting
+        (``non_blocking``, pinned memory, an event); the next step's :meth:`check_agreement` waits
+        for that event, which waits only for this step's work, never for what was launched since.
+        """
+        if self._values is None:
+            return
+        name, values = self._values
+        self._values = None
+        words = agreement.value_words(values)
+        device = values.device if values.device.type in _backend_devices(self.group) else flag_device(self.group)
+        t = torch.cat([words, -words]).to(device)
+        self.all_reduce(t, op=dist.ReduceOp.MIN)
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+        host.copy_(t, non_blocking=True)
+        event = None
+        if t.is_cuda:
+            event = torch.cuda.Event()
+            event.record()
+        self._late = (name, host, event)
+        self.host_buffers = [*self.host_buffers, host]
+
+    def _check_late(self) -> None:
+        if self._late is None:
+            return
+        name, host, event = self._late
+        self._late = None
+        if event is not None:
+            event.synchronize()
+        _check_equal(name, host.tolist(), late=True)
+
+
+def _backend_devices(group: Any) -> list[str]:
+    """The device types ``group``'s backend reduces (``["cpu", "cuda"]`` for ``"cpu:gloo,cuda:nccl"``)."""
+    config = str(dist.get_backend_config(group))
+    return [entry.split(":", 1)[0].strip() for entry in config.split(",") if ":" in entry]
+
+
+def _check_equal(name: str, minima: list[int], *, late: bool) -> None:
+    """Raise unless the MIN-reduced words and negated words of :meth:`Collectives.expect_equal` cancel."""
+    half = len(minima) // 2
+    if all(minima[k] + minima[half + k] == 0 for k in range(half)):
+        return
+    when = (
+        " at the previous step (checked one step late, as a step without a non-finite check reads nothing; "
+        "that step was applied)"
+        if late
+        else ""
+    )
+    raise ValueError(
+        f"HybridMuon's {name} differ across ranks{when}. Every rank must step the same values: average "
+        "them over the ranks that share them (e.g. leave the module inside the data-parallel wrapper)"
+    )

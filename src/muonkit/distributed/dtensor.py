@@ -23,7 +23,7 @@ left out of tensor parallelism, ``fully_shard``-ed on ``dp`` of ``(dp, tp)``: re
 
 Plain params beside TP DTensors (the norms ``parallelize_module`` or a transformers ``tp_plan``
 leaves plain) are read as whole copies on every rank; each step checks that every rank has the
-same gradients for them (a fingerprint in the agreement check), so a plain param whose gradient
+same gradients for them (a fingerprint checked with the non-finite verdict), so a plain param whose gradient
 nobody averaged raises instead of drifting. Beside FSDP2-only params (``Shard(0)`` on one 1-D
 mesh) plain params are refused: there they mean ``fully_shard`` was not applied to the root.
 
@@ -81,6 +81,7 @@ class DTensorStrategy(PlannedStrategy):
         self.mesh = meshes[0]
         self.replicated = list(replicated)
         self._jobs: dict[Any, list[Job]] = {}  # a param's jobs depend only on its layout: built once
+        self._box_cache: dict[Any, list[Any]] = {}  # by DTensor spec (mesh, placements, shape)
 
     def check_participation(self, has_grad: Sequence[bool], settings: Callable[[], Sequence[Setting]] = list) -> None:
         """Also: the plain params (replicated beside the DTensors) have the same gradients on every rank.
@@ -88,20 +89,17 @@ class DTensorStrategy(PlannedStrategy):
         Tensor parallelism leaves some params plain (norms under ``parallelize_module``, or
         transformers' ``tp_plan``); they are read as whole copies on every rank of the group, which
         is right only if every rank computes the same gradient for them. One fingerprint per
-        step (their gradients' sums, in float64, computed on the device and added to the step's
-        agreement vector there: no read of its own) joins the step's agreement check, so plain
-        params left out of a data-parallel wrapper (their gradients never averaged) raise on every
-        rank instead of drifting apart.
+        step (their gradients' sums, in float64, computed on the device) rides with the step's
+        non-finite verdict (:meth:`~muonkit.distributed.collectives.Collectives.expect_equal`: no
+        read of its own), so plain params left out of a data-parallel wrapper (their gradients
+        never averaged) raise on every rank, before anything changes, instead of drifting apart.
+        With ``nonfinite="unchecked"`` (no verdict, no read) it is checked one step late.
         """
+        super().check_participation(has_grad, settings)
         grads = [p.grad for p in self.replicated if p.grad is not None]
-        if not grads:
-            return super().check_participation(has_grad, settings)
-        sums = torch.stack([g.detach().sum(dtype=torch.float64) for g in grads])
-        self.comm.check_agreement(
-            [*settings(), Setting("strategy", self.name)],
-            has_grad,
-            values=("gradients of the plain params replicated beside the DTensors", sums),
-        )
+        if grads:
+            sums = torch.stack([g.detach().sum(dtype=torch.float64) for g in grads])
+            self.comm.expect_equal("gradients of the plain params replicated beside the DTensors", sums)
 
     def local(self, t: Tensor) -> Tensor:
         return t.to_local() if isinstance(t, DTensor) else t
@@ -156,7 +154,9 @@ class DTensorStrategy(PlannedStrategy):
                 f"Invalid DTensor param of shape {tuple(param.shape)} on {param.device_mesh!r}: this optimizer's "
                 f"params live on {self.meshes!r}; build the optimizer over all its params at once"
             )
-        boxes = self.layout.boxes(param)
+        boxes = self._box_cache.get(param._spec)
+        if boxes is None:  # index arithmetic on the host, once per layout (not every step's check)
+            boxes = self._box_cache[param._spec] = self.layout.boxes(param)
         mine, local = dict(boxes)[self.comm.rank], param.to_local()
         if tuple(local.shape) != mine.shape and local.numel() + mine.numel:  # FSDP2 may store nothing as (0, 0, c)
             raise ValueError(

@@ -71,6 +71,12 @@ class PlannedStrategy(Strategy):
     def check_participation(self, has_grad: Sequence[bool], settings: Callable[[], Sequence[Setting]] = list) -> None:
         self.comm.check_agreement([*settings(), Setting("strategy", self.name)], has_grad)
 
+    def end_step(self) -> None:
+        self.comm.end_step()
+
+    def host_tensors(self) -> list[Tensor]:
+        return list(self.comm.host_buffers)
+
     def layout_key(self, params: list[Tensor], updates: list[Tensor]) -> Hashable | None:
         """A cheap key that fixes :meth:`jobs` for a given ``config``: what each param's jobs depend on
         (shapes, placements, update dtypes), so that a steady-state step finds its plan without
