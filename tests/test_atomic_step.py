@@ -14,6 +14,7 @@ update is never applied.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 from typing import Any
@@ -25,8 +26,10 @@ from torch import Tensor, nn
 import muonkit
 from muonkit.distributed import SingleDeviceStrategy
 from muonkit.functional import momentum_, muon_momentum_, muon_update
+from muonkit_bench.op_counts import as_on_an_accelerator
 
 DIVERGING = [(10.0, 0.0, 0.0)] * 40  # X <- 10 X, 40 times: 1e40 overflows fp32 (and bf16)
+CUSTOM = [(3.4, -4.7, 2.0)]  # near Keller's: bounded, but not a preset's schedule
 
 
 class Net(nn.Module):
@@ -179,11 +182,18 @@ def _poison_last_chunk(monkeypatch: pytest.MonkeyPatch, opt: muonkit.HybridMuon,
     return calls
 
 
+def _custom(opt: muonkit.HybridMuon) -> None:
+    """Give the Muon groups a custom (non-preset) schedule: steps hold every direction until the verdict."""
+    for group in opt.param_groups[1:]:
+        group["ns_coefficients"] = CUSTOM
+
+
 @pytest.mark.parametrize("value", [float("inf"), float("nan")])
 def test_skip_a_non_finite_update_in_the_last_chunk(
     value: float, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     net, opt = _setup("skip", max_chunk_elements=1)
+    _custom(opt)
     _train(net, opt, range(2))
     _grads(net, 2)
     before = _snapshot(net, opt)
@@ -199,6 +209,7 @@ def test_skip_a_non_finite_update_in_the_last_chunk(
 
 def test_raise_on_a_non_finite_update_changes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     net, opt = _setup("raise", max_chunk_elements=1)
+    _custom(opt)
     _train(net, opt, range(2))
     _grads(net, 2)
     before = _snapshot(net, opt)
@@ -208,6 +219,32 @@ def test_raise_on_a_non_finite_update_changes_nothing(monkeypatch: pytest.Monkey
     ):
         opt.step()
     _assert_same(before, _snapshot(net, opt))
+
+
+@pytest.mark.parametrize("accelerator", [False, True], ids=["cpu", "accelerator"])
+@pytest.mark.parametrize("nonfinite", ["skip", "raise"])
+def test_a_non_finite_update_from_finite_gradients_is_never_applied_and_raises_when_streamed(
+    nonfinite: str, accelerator: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a preset's schedule (bounded: a non-finite direction needs a non-finite momentum or a
+    bug) each chunk is applied as it comes; a non-finite one is not applied (masked on the
+    device, or checked on the host) and the step raises, naming it, after the others."""
+    net, opt = _setup(nonfinite, max_chunk_elements=1)
+    _train(net, opt, range(2))
+    _grads(net, 2)
+    before = _snapshot(net, opt)
+    _poison_last_chunk(monkeypatch, opt, float("nan"))
+    path = as_on_an_accelerator() if accelerator else contextlib.nullcontext()
+    with (
+        path,
+        pytest.raises(RuntimeError, match=r"^A Muon direction was non-finite although every gradient was finite"),
+    ):
+        opt.step()
+    state = opt.state_dict()["state"]
+    names = [n for n, _ in net.named_parameters()]
+    assert torch.equal(net.b, before["params"]["b"])  # the poisoned chunk (b)
+    assert torch.equal(state[names.index("b")]["momentum_buffer"], before["state"][names.index("b")]["momentum_buffer"])
+    assert not torch.equal(net.a1, before["params"]["a1"]) and torch.isfinite(net.a1).all()  # the others applied
 
 
 def test_unchecked_applies_a_non_finite_update(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -257,6 +294,7 @@ def test_a_non_finite_gradient_is_named_before_a_non_finite_update(caplog: pytes
 def test_one_finiteness_verdict_per_step(monkeypatch: pytest.MonkeyPatch) -> None:
     """Gradients and updates are judged in one agreement (one collective when distributed)."""
     net, opt = _setup(max_chunk_elements=1)
+    _custom(opt)
     seen: list[Tensor] = []
     original = opt.strategy.all_true
 
@@ -298,12 +336,25 @@ def test_muon_update_then_momentum_equal_muon_momentum_bitwise(
         assert torch.equal(b, e)
 
 
-@pytest.mark.parametrize(("nonfinite", "streams"), [("skip", False), ("raise", False), ("unchecked", True)])
-def test_only_unchecked_applies_each_chunk_before_computing_the_next(
-    nonfinite: str, streams: bool, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("accelerator", [False, True], ids=["cpu", "accelerator"])
+@pytest.mark.parametrize(
+    ("nonfinite", "custom", "streams"),
+    [
+        ("skip", True, False),
+        ("raise", True, False),
+        ("skip", False, True),
+        ("raise", False, True),
+        ("unchecked", True, True),
+    ],
+)
+def test_only_custom_schedules_hold_every_direction_until_the_verdict(
+    nonfinite: str, custom: bool, streams: bool, accelerator: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Checked steps hold every direction until the verdict; unchecked ones hold one chunk's."""
+    """Checked steps with a custom schedule hold every direction until the verdict; with a preset's
+    (whose directions are finite wherever the gradients are) and unchecked, one chunk's."""
     net, opt = _setup(nonfinite, max_chunk_elements=1)
+    if custom:
+        _custom(opt)
     _grads(net, 0)
     first = net.a1.detach().clone()
     seen: list[bool] = []
@@ -314,6 +365,7 @@ def test_only_unchecked_applies_each_chunk_before_computing_the_next(
         return original(params, updates, config)
 
     monkeypatch.setattr(opt.strategy, "directions", directions)
-    opt.step()
+    with as_on_an_accelerator() if accelerator else contextlib.nullcontext():
+        opt.step()
     assert seen == [False, streams, streams]
     assert not torch.equal(net.a1, first)

@@ -9,8 +9,10 @@ The non-finite policy (HybridMuon's ``nonfinite=``):
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -18,6 +20,15 @@ from torch import nn
 
 import muonkit
 from helpers import Tiny, tiny_loss
+from muonkit_bench.op_counts import as_on_an_accelerator
+
+
+@pytest.fixture(params=["cpu", "accelerator"])
+def path(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Both ways a checked step runs: the CPU's (the verdict read at once, where reads are free)
+    and an accelerator's (every commit masked on the device, one read after the Muon work)."""
+    with as_on_an_accelerator() if request.param == "accelerator" else contextlib.nullcontext():
+        yield request.param
 
 
 def _setup(nonfinite: str = "skip", dtype: torch.dtype = torch.float32) -> tuple[Tiny, muonkit.HybridMuon]:
@@ -60,7 +71,7 @@ def _poison(model: Tiny, where: str, value: float) -> None:
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
 @pytest.mark.parametrize("where", ["muon", "adamw"])
 def test_skip_leaves_everything_bit_identical_warns_and_counts(
-    where: str, value: float, caplog: pytest.LogCaptureFixture
+    where: str, value: float, caplog: pytest.LogCaptureFixture, path: str
 ) -> None:
     model, opt = _setup("skip")
     _train(model, opt, 2)
@@ -75,7 +86,7 @@ def test_skip_leaves_everything_bit_identical_warns_and_counts(
     assert any("non-finite gradient" in r.getMessage() for r in caplog.records)
 
 
-def test_a_skipped_step_is_as_if_it_never_happened() -> None:
+def test_a_skipped_step_is_as_if_it_never_happened(path: str) -> None:
     """AdamW's step count does not advance either: the next steps equal a run without the bad one."""
     model, opt = _setup("skip")
     twin, twin_opt = copy.deepcopy(model), None
@@ -92,7 +103,7 @@ def test_a_skipped_step_is_as_if_it_never_happened() -> None:
 
 
 @pytest.mark.parametrize("where", ["muon", "adamw"])
-def test_raise_raises_with_nothing_changed(where: str) -> None:
+def test_raise_raises_with_nothing_changed(where: str, path: str) -> None:
     model, opt = _setup("raise")
     _train(model, opt, 1)
     before = _snapshot(model, opt)
@@ -103,6 +114,35 @@ def test_raise_raises_with_nothing_changed(where: str) -> None:
         opt.step()
     _assert_same(before, _snapshot(model, opt))
     assert opt.skipped_steps == 0
+
+
+@pytest.mark.parametrize("algorithm", ["muon", "normuon"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_both_checked_paths_step_exactly_as_unchecked_and_skip_a_first_step_without_state(
+    algorithm: str, dtype: torch.dtype
+) -> None:
+    """The masked commits (an accelerator's) and the CPU's give their unchecked step's results bit
+    for bit (NorMuon, cautious weight decay, bf16 params through fp32); a skipped first step
+    leaves no state on either path."""
+    results = []
+    for nonfinite, accelerator in (("unchecked", False), ("skip", False), ("unchecked", True), ("skip", True)):
+        torch.manual_seed(0)
+        model = Tiny().to(dtype)
+        groups = muonkit.param_groups(model, muon_algorithm=algorithm)
+        opt = muonkit.HybridMuon(groups, nonfinite=nonfinite, weight_decay=0.1, cautious_wd=True)
+        with as_on_an_accelerator() if accelerator else contextlib.nullcontext():
+            if nonfinite == "skip":
+                opt.zero_grad()
+                tiny_loss(model, 7).backward()
+                _poison(model, "muon", float("nan"))
+                before = {n: p.detach().clone() for n, p in model.named_parameters()}
+                opt.step()
+                assert not opt.state and opt.skipped_steps == 1
+                assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
+            _train(model, opt, 3)
+        results.append(_snapshot(model, opt))
+    _assert_same(results[0], results[1])
+    _assert_same(results[2], results[3])  # AdamW's bias corrections: on the host, or on the device
 
 
 def test_unchecked_lets_nan_through() -> None:

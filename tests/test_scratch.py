@@ -4,11 +4,13 @@ Measured with :class:`muonkit_bench.live_bytes.LiveBytes` (peak bytes of the sto
 allocates and holds) on the second step, when momentum exists. The bound, per chunk of ``E``
 elements (:meth:`SingleDeviceStrategy.muon_chunks`), all fp32: the chunk's momentum updates
 (``4E``), two copies for the iteration (``8E``) and per matrix four (Gram) or two (plain) ``m x m``
-products of its short side ``m``; with ``nonfinite="skip"`` (the default) also every direction
-of the step until the all-or-nothing verdict (4 bytes per Muon element).
+products of its short side ``m``; with ``nonfinite="skip"`` (the default) and a custom schedule
+also every direction of the step until the all-or-nothing verdict (4 bytes per Muon element).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
@@ -19,8 +21,10 @@ from muonkit.distributed import SingleDeviceStrategy
 from muonkit.distributed.single import CPU_CHUNK_ELEMENTS, default_chunk_elements
 from muonkit.functional.orthogonalize import uses_gram
 from muonkit_bench.live_bytes import LiveBytes
+from muonkit_bench.op_counts import as_on_an_accelerator
 
 F32 = 4
+CUSTOM = [(3.4, -4.7, 2.0)]  # near Keller's, not a preset's schedule
 
 
 def test_live_bytes_counts_what_a_block_allocates_and_holds() -> None:
@@ -71,7 +75,16 @@ def _bound(opt: muonkit.HybridMuon, params: list[torch.nn.Parameter], *, held: b
     return directions + max(per_chunk)
 
 
-@pytest.mark.parametrize("nonfinite", ["unchecked", "skip"])
+@pytest.mark.parametrize(
+    ("nonfinite", "coefficients", "accelerator"),
+    [
+        ("unchecked", "polar_express", False),
+        ("skip", "polar_express", False),  # the verdict read at once (free on the CPU), then streamed
+        ("skip", "polar_express", True),  # streamed, every commit masked on the device
+        ("skip", CUSTOM, False),  # a custom schedule: every direction held until the verdict
+    ],
+    ids=["unchecked", "skip", "skip-accelerator", "skip-custom"],
+)
 @pytest.mark.parametrize(
     ("shapes", "copies", "chunk"),
     [
@@ -81,18 +94,29 @@ def _bound(opt: muonkit.HybridMuon, params: list[torch.nn.Parameter], *, held: b
     ],
 )
 def test_step_scratch_stays_within_the_documented_bound(
-    nonfinite: str, shapes: list[tuple[int, int]], copies: int, chunk: int | None
+    nonfinite: str,
+    coefficients: str | list[tuple[float, float, float]],
+    accelerator: bool,
+    shapes: list[tuple[int, int]],
+    copies: int,
+    chunk: int | None,
 ) -> None:
     """Before the fix: 5 iterates and 5 Gram products per chunk (e.g. 67.5 MiB where the bound is
-    58.5 MiB on two GPT-2-124M layers, unchecked)."""
+    58.5 MiB on two GPT-2-124M layers, unchecked); before streaming, a checked step held every
+    direction whatever its schedule."""
     params = _params(shapes, copies)
     opt = muonkit.HybridMuon(
-        params, ns_dtype=torch.float32, nonfinite=nonfinite, strategy=SingleDeviceStrategy(max_chunk_elements=chunk)
+        params,
+        ns_dtype=torch.float32,
+        nonfinite=nonfinite,
+        ns_coefficients=coefficients,
+        strategy=SingleDeviceStrategy(max_chunk_elements=chunk),
     )
-    opt.step()  # creates the momentum buffers (state, not scratch)
-    with LiveBytes() as live:
-        opt.step()
-    bound = _bound(opt, params, held=nonfinite != "unchecked")
+    with as_on_an_accelerator() if accelerator else contextlib.nullcontext():
+        opt.step()  # creates the momentum buffers (state, not scratch)
+        with LiveBytes() as live:
+            opt.step()
+    bound = _bound(opt, params, held=coefficients == CUSTOM)
     assert live.peak <= bound * 1.01 + 4096, (live.peak, bound)
     # the bound is tight: the step does use most of it (a meter that counts nothing fails here)
     assert live.peak >= 0.8 * bound, (live.peak, bound)

@@ -7,6 +7,7 @@ the first ``step()``, by :func:`muonkit.distributed.select_strategy`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import logging
@@ -36,7 +37,8 @@ from muonkit.distributed import SingleDeviceStrategy, Strategy, select_strategy,
 from muonkit.distributed.agreement import settings_of
 from muonkit.foreign_state import muonkit_group
 from muonkit.functional.adamw import adamw_
-from muonkit.functional.muon import momentum_, muon_apply_, muon_update
+from muonkit.functional.coefficients import is_preset_schedule
+from muonkit.functional.muon import momentum_, momentum_masked_, muon_apply_, muon_apply_masked_, muon_update
 from muonkit.functional.normuon import normuon_rows
 from muonkit.functional.orthogonalize import host_read_waits
 from muonkit.functional.validation import nonneg
@@ -379,22 +381,39 @@ class HybridMuon(Optimizer):
             self._muon_chunks(params, config) if isinstance(config, MuonConfig) else []
             for config, params in zip(configs, work, strict=True)
         ]
-        if self.nonfinite != "unchecked":
-            # Two phases: every direction is computed (and held) before the verdict, so a
-            # non-finite one anywhere leaves everything untouched. The verdict is the step's one
-            # blocking read of the device, taken once all of its directions are launched.
-            # Unchecked, each chunk is applied as soon as it is computed (the scratch memory of
-            # one chunk) and nothing is read.
+        stream: _Stream | None = None
+        if self.nonfinite != "unchecked" and all(_bounded(c) for c in configs if isinstance(c, MuonConfig)):
+            # Streamed: with the presets' schedules a direction is finite wherever its momentum
+            # update is, so the verdict is the gradients' (on every rank), known before any
+            # direction; each chunk is applied as it comes (the scratch memory of one chunk),
+            # masked on the device by that verdict (where reads wait for the device) and by its own
+            # directions' finiteness (a guard). The one blocking read comes after every Muon
+            # update is launched; AdamW, which keeps its step counts on the host, follows it.
+            stream = self._stream(work)
+            if stream is None:  # decided on the host: skip
+                strategy.end_step()
+                return loss
+        elif self.nonfinite != "unchecked":
+            # Held (a custom schedule, which may diverge): every direction is computed and held
+            # before the verdict, so a non-finite one anywhere leaves everything untouched.
             chunks = [list(c) for c in chunks]
             if not self._finite_or_skip(work, cast(list[list[_MuonChunk]], chunks)):
                 strategy.end_step()
                 return loss
+        after: list[tuple[list[Tensor], AdamWConfig, tuple[float | Tensor, float | Tensor]]] = []
         for config, params, pending, rates in zip(configs, work, chunks, self._rates(configs), strict=True):
             if isinstance(config, MuonConfig):
                 for batch in _commit_batches(pending):
-                    self._commit_muon(batch, config, rates)
+                    self._commit_muon(batch, config, rates, stream)
+            elif stream is not None and stream.mask is not None:
+                after.append((params, cast(AdamWConfig, config), rates))
             else:
                 self._adamw_step(params, cast(AdamWConfig, config), rates)
+        if stream is not None and not self._stream_outcome(stream):
+            strategy.end_step()
+            return loss
+        for params, adamw, rates in after:
+            self._adamw_step(params, adamw, rates)
         strategy.end_step()
         return loss
 
@@ -489,6 +508,58 @@ class HybridMuon(Optimizer):
             return True
         directions = [d for group in chunks for chunk in group for d in chunk.directions]
         grads_ok, updates_ok = self.strategy.all_true(_finite_flags([grads, directions]))
+        return self._verdict(grads_ok, updates_ok)
+
+    def _stream(self, work: list[list[Tensor]]) -> _Stream | None:
+        """The streamed step's verdict on the gradients, on every rank (no read where reads wait).
+
+        Where reads are free (the CPU) it is read now: a non-finite gradient skips (or raises)
+        before anything is computed, and None is returned on a skip. Elsewhere it stays on the
+        device as the mask of every Muon commit, and :meth:`_stream_outcome` reads it.
+        """
+        grads = [self.strategy.local(cast(Tensor, p.grad)) for params in work for p in params]
+        stream = _Stream()
+        if not grads:
+            return stream
+        stream.start = self.strategy.reduce_flags(_finite_flags([grads]))  # [gradients finite, values agree]
+        if host_read_waits(stream.start.device):
+            stream.mask = stream.start.all()
+            stream.finite = torch.ones((), dtype=torch.bool, device=stream.start.device)
+            return stream
+        grads_ok, values_ok = stream.start.tolist()
+        stream.start, stream.bad_chunks = None, 0
+        if not values_ok:
+            raise self.strategy.values_error()
+        return stream if self._verdict(grads_ok, True) else None
+
+    def _stream_outcome(self, stream: _Stream) -> bool:
+        """Read the streamed step's verdict (its one blocking read, after every Muon update is
+        launched); undo a skipped step's new states; whether to go on with AdamW."""
+        if stream.start is None and stream.finite is None:
+            if stream.bad_chunks is None:  # no gradients: nothing was checked, nothing to agree on
+                return True
+            finite = self.strategy.reduce_flags(torch.tensor([stream.bad_chunks == 0])).tolist()[0]  # free read
+            grads_ok = values_ok = True
+        else:
+            start, finite_flag = cast(Tensor, stream.start), cast(Tensor, stream.finite)
+            end = self.strategy.reduce_flags(finite_flag.reshape(1))
+            grads_ok, values_ok, finite, _ = torch.cat([start, end.to(start.device)]).tolist()
+        if not (grads_ok and values_ok):
+            for p in stream.created:  # masked: only the states the step made are left to undo
+                self.state.pop(p, None)
+            if not values_ok:
+                raise self.strategy.values_error()
+            return self._verdict(False, True)
+        if not finite:
+            raise RuntimeError(
+                "A Muon direction was non-finite although every gradient was finite (a non-finite momentum "
+                "buffer, or a bug): the step was applied except to the matrices of those directions; the "
+                "optimizer state is suspect, restore the last checkpoint"
+            )
+        return True
+
+    def _verdict(self, grads_ok: bool, updates_ok: bool) -> bool:
+        """Whether to apply the step; on a non-finite gradient or update, raise or count and log the skip."""
         if grads_ok and updates_ok:
             return True
         what = "gradient" if not grads_ok else "Muon update from finite gradients"
@@ -540,31 +611,59 @@ class HybridMuon(Optimizer):
         return rows
 
     def _commit_muon(
-        self, chunks: Sequence[_MuonChunk], config: MuonConfig, rates: tuple[float | Tensor, float | Tensor]
+        self,
+        chunks: Sequence[_MuonChunk],
+        config: MuonConfig,
+        rates: tuple[float | Tensor, float | Tensor],
+        stream: _Stream | None = None,
     ) -> None:
         """Store and advance the momentum the directions were computed from, then apply them.
 
         Every chunk given is committed by the same few ``_foreach`` calls (see :func:`_commit_batches`).
+        In a streamed step (``stream``) the chunk's directions are checked first: on the host where
+        reads are free (a non-finite one leaves the chunk unapplied), else on the device, where
+        the commit is masked by the step's verdict and that check.
         """
         local = self.strategy.local
         params = [p for chunk in chunks for p in chunk.params]
         buffers = [b for chunk in chunks for b in chunk.buffers]
         directions = [d for chunk in chunks for d in chunk.directions]
+        ok = None if stream is None else stream.check(directions)
+        if ok is False:
+            for chunk in chunks:
+                chunk.directions.clear()
+            return
+        if stream is not None:
+            stream.created += [p for p in params if p not in self.state]
         for p, buffer in zip(params, buffers, strict=True):
             self.state[p]["momentum_buffer"] = buffer
         for chunk in chunks:
             if chunk.rows is not None:
                 for p, rows in zip(chunk.params, chunk.rows, strict=True):
+                    old = self.state[p].get(_ROWS)
+                    if isinstance(ok, Tensor):  # masked: the old moments (or zeros) unless ok
+                        rows = torch.where(ok, rows, torch.zeros_like(rows) if old is None else old)
                     self.state[p][_ROWS] = rows
         grads = [local(cast(Tensor, p.grad)) for p in params]
-        momentum_([local(b) for b in buffers], grads, momentum=config.momentum)
-        muon_apply_(
-            [local(p) for p in params],
-            directions,
-            lr=rates[0],
-            weight_decay=rates[1],
-            cautious_wd=config.cautious_wd,
-        )
+        if isinstance(ok, Tensor):
+            momentum_masked_([local(b) for b in buffers], grads, momentum=config.momentum, ok=ok)
+            muon_apply_masked_(
+                [local(p) for p in params],
+                directions,
+                ok=ok,
+                lr=rates[0],
+                weight_decay=rates[1],
+                cautious_wd=config.cautious_wd,
+            )
+        else:
+            momentum_([local(b) for b in buffers], grads, momentum=config.momentum)
+            muon_apply_(
+                [local(p) for p in params],
+                directions,
+                lr=rates[0],
+                weight_decay=rates[1],
+                cautious_wd=config.cautious_wd,
+            )
         for chunk in chunks:
             chunk.directions.clear()  # free them now, not when the next chunk replaces this one
 
@@ -716,6 +815,43 @@ class _MuonChunk:
     """Local slices of ``scale * orthogonalize(U)``, ``U`` computed from ``buffers``."""
     rows: list[Tensor] | None = None
     """NorMuon: the new row moments, stored when the step commits."""
+
+
+@dataclass
+class _Stream:
+    """The verdict of a streamed step (see ``step``): on the device, or decided on the host."""
+
+    start: Tensor | None = None
+    """On the device: ``[every gradient finite, the shared values agree]`` over every rank."""
+    mask: Tensor | None = None
+    """On the device: ``start.all()``, what every Muon commit is masked by."""
+    finite: Tensor | None = None
+    """On the device: every Muon direction of the step so far finite."""
+    bad_chunks: int | None = None
+    """Decided on the host: chunks left unapplied for a non-finite direction (None: no gradients)."""
+    created: list[Tensor] = dataclasses.field(default_factory=list)
+    """Params whose state the step created (removed again if the verdict skips it)."""
+
+    def check(self, directions: Sequence[Tensor]) -> Tensor | bool:
+        """Whether to apply a chunk with these directions: a device flag (the mask and their
+        finiteness, recorded in :attr:`finite`), or on the host, where reads are free, a bool."""
+        nonempty = [d for d in directions if d.numel() > 0]
+        if self.mask is None:
+            fine = not nonempty or _finite_on_host(nonempty)
+            if not fine and self.bad_chunks is not None:
+                self.bad_chunks += 1
+            return fine
+        if not nonempty:
+            return self.mask
+        mine = torch.stack(torch._foreach_norm(nonempty, float("inf"))).max().lt(math.inf).to(self.mask.device)
+        self.finite = cast(Tensor, self.finite) & mine
+        return self.mask & mine
+
+
+def _bounded(config: MuonConfig) -> bool:
+    """Whether the group's schedule is a preset's, whose directions are finite wherever its updates are."""
+    options = config.ns_options
+    return is_preset_schedule(options.coefficients, steps=options.steps)
 
 
 _RATES = ("lr", "weight_decay")

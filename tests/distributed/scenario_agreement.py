@@ -149,7 +149,8 @@ def _spy_all_reduce() -> Iterator[list[torch.Tensor]]:
 @check(2, 4)
 def identical_settings_pass_with_a_scheduler_and_one_small_all_reduce_each(ctx: Context) -> None:
     for layout in LAYOUTS:
-        for nonfinite, per_step in (("skip", 2), ("unchecked", 1)):  # agreement (+ the finite flag)
+        # the agreement (+ the gradients' verdict before the commits and the directions' guard after)
+        for nonfinite, per_step in (("skip", 3), ("unchecked", 1)):
             params, opt = _build(layout, ctx, nonfinite=nonfinite)
             scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (step + 1))
             for step in range(3):
@@ -162,30 +163,18 @@ def identical_settings_pass_with_a_scheduler_and_one_small_all_reduce_each(ctx: 
 
 
 @check(2, 4)
-def every_flag_reduction_is_placed_by_flag_device(ctx: Context) -> None:
-    """The verdict goes where the backend reduces (flag_device); the agreement, host data, stays on the CPU."""
-    placed: list[torch.device] = []
-    original = collectives.flag_device
-
-    def flag_device(group: Any) -> torch.device:
-        placed.append(original(group))
-        return placed[-1]
-
-    collectives.flag_device = flag_device
-    try:
-        for layout in LAYOUTS:
-            params, opt = _build(layout, ctx)
-            for step in range(2):
-                _grads(layout, params, step)
-                placed.clear()
-                with _spy_all_reduce() as calls:
-                    opt.step()
-                # the agreement (host data, reduced on the CPU) and the verdict (placed)
-                assert len(calls) == 2 and len(placed) == 1, f"{layout}: {len(calls)} all_reduces, {len(placed)} placed"
-                assert calls[0].device.type == "cpu", f"{layout}: the agreement went to {calls[0].device}"
-                assert calls[1].device == placed[0], f"{layout}: {calls[1].device} vs {placed}"
-    finally:
-        collectives.flag_device = original
+def every_flag_reduction_is_where_the_backend_reduces(ctx: Context) -> None:
+    """The agreement (host data) on the CPU; the verdicts where the flags are, if the backend reduces
+    there, else on flag_device (here gloo: the CPU either way)."""
+    for layout in LAYOUTS:
+        params, opt = _build(layout, ctx)
+        for step in range(2):
+            _grads(layout, params, step)
+            with _spy_all_reduce() as calls:
+                opt.step()
+            group = opt.strategy.comm.group  # type: ignore[attr-defined]
+            assert len(calls) == 3, f"{layout}: {len(calls)} all_reduces"
+            assert all(t.device == collectives.flag_device(group) for t in calls), [t.device for t in calls]
 
 
 @check(2, 4)

@@ -65,6 +65,17 @@ class Strategy(ABC):
         """Each of this rank's few verdicts (a bool tensor) AND-ed over every rank, in one collective."""
         return [bool(f) for f in flags.reshape(-1).tolist()]
 
+    def reduce_flags(self, flags: Tensor) -> Tensor:
+        """This rank's few verdicts (a bool vector) AND-ed over every rank, without a read: a bool
+        vector where ``flags`` live (where the backend reduces), with one more flag at the end:
+        whether the device values every rank must share agree (strategies with replicated
+        params, see :meth:`values_error`; always true here)."""
+        return torch.cat([flags.reshape(-1).bool(), torch.ones(1, dtype=torch.bool, device=flags.device)])
+
+    def values_error(self) -> Exception:
+        """The error for a false last flag of :meth:`reduce_flags`."""
+        return RuntimeError("no device values to compare on one device")
+
     def whole_shapes(self, param: Tensor) -> list[tuple[int, ...]]:
         """Shapes of the whole tensors a param of the optimizer stands for (for validation).
 

@@ -99,6 +99,7 @@ class Collectives:
         self.world_size = dist.get_world_size(group)
         self._host_group: tuple[Any] | None = None  # made at the first use
         self._values: tuple[str, Tensor] | None = None
+        self._named = ""  # the name of the values the latest reduce_flags compared
         self._late: tuple[str, Tensor, Any] | None = None
         self.host_buffers: list[Tensor] = []
         """The host tensors of the latest checks (for counting reads: host memory in a device run too)."""
@@ -166,6 +167,36 @@ class Collectives:
             _check_equal(named[0], got[count:], late=False)
         return [bool(x) for x in got[:count]]
 
+    def reduce_flags(self, flags: Tensor) -> Tensor:
+        """Each of a few booleans AND-ed over every rank, then whether the :meth:`expect_equal` values
+        agree: one tiny all_reduce MIN where ``flags`` live (where the backend reduces them), no read.
+
+        The result is a bool vector on that device, ``flags.numel() + 1`` long; a false last flag
+        means :meth:`values_error`.
+        """
+        device = flags.device if flags.device.type in _backend_devices(self.group) else flag_device(self.group)
+        t = flags.detach().to(device=device, dtype=torch.int64).reshape(-1)
+        count = t.numel()
+        named = self._values
+        self._values = None
+        if named is None:
+            t = t.clone()
+        else:
+            words = agreement.value_words(named[1]).to(device)
+            t = torch.cat([t, words, -words])
+            self._named = named[0]
+        self.all_reduce(t, op=dist.ReduceOp.MIN)
+        if named is None:
+            equal = torch.ones(1, dtype=torch.bool, device=device)
+        else:
+            half = (t.numel() - count) // 2
+            equal = (t[count : count + half] + t[count + half :]).eq(0).all().reshape(1)
+        return torch.cat([t[:count].bool(), equal])
+
+    def values_error(self) -> Exception:
+        """The error :meth:`reduce_flags`'s last flag stands for (values that differ across ranks)."""
+        return _values_differ(self._named, late=False)
+
     def check_agreement(self, settings: Sequence[agreement.Setting], has_grad: Sequence[bool]) -> None:
         """Raise on every rank (never hang) unless all ranks hold the same settings and gradient
         flags (one tiny all_reduce MAX on the host; see :mod:`muonkit.distributed.agreement`).
@@ -226,15 +257,18 @@ def _backend_devices(group: Any) -> list[str]:
 def _check_equal(name: str, minima: list[int], *, late: bool) -> None:
     """Raise unless the MIN-reduced words and negated words of :meth:`Collectives.expect_equal` cancel."""
     half = len(minima) // 2
-    if all(minima[k] + minima[half + k] == 0 for k in range(half)):
-        return
+    if not all(minima[k] + minima[half + k] == 0 for k in range(half)):
+        raise _values_differ(name, late=late)
+
+
+def _values_differ(name: str, *, late: bool) -> ValueError:
     when = (
         " at the previous step (checked one step late, as a step without a non-finite check reads nothing; "
         "that step was applied)"
         if late
         else ""
     )
-    raise ValueError(
+    return ValueError(
         f"HybridMuon's {name} differ across ranks{when}. Every rank must step the same values: average "
         "them over the ranks that share them (e.g. leave the module inside the data-parallel wrapper)"
     )

@@ -68,6 +68,12 @@ class PlannedStrategy(Strategy):
     def all_true(self, flags: Tensor) -> list[bool]:
         return self.comm.all_ranks_true(flags)
 
+    def reduce_flags(self, flags: Tensor) -> Tensor:
+        return self.comm.reduce_flags(flags)
+
+    def values_error(self) -> Exception:
+        return self.comm.values_error()
+
     def check_participation(self, has_grad: Sequence[bool], settings: Callable[[], Sequence[Setting]] = list) -> None:
         self.comm.check_agreement([*settings(), Setting("strategy", self.name)], has_grad)
 

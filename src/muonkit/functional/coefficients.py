@@ -166,3 +166,22 @@ def as_schedule(
     if not schedule:
         raise ValueError(f"Invalid {name}=[]: need at least one (a, b, c) triple")
     return tuple(schedule)
+
+
+def is_preset_schedule(coefficients: str | Sequence[Sequence[float]], *, steps: int | None = None) -> bool:
+    """Whether this schedule is a preset's (by name, or its steps written out, as ``muonkit.Muon``'s
+    default ``(3.4445, -4.7750, 2.0315)`` is Keller's), at any step count.
+
+    The presets' iterations are bounded (``tests/test_orthogonalize_fuzz.py``: output singular
+    values within ``truncated_top`` at 1-12, 16, 32 and 100 steps, plain and Gram, every compute
+    dtype, inputs from 1e-40 to 1e30 scale), so
+    their output is finite wherever their input is: a step can judge finiteness from the gradients
+    alone. A custom schedule may diverge (``X <- 10 X`` for 40 steps overflows fp32).
+    """
+    if isinstance(coefficients, str):
+        return coefficients in PRESETS
+    try:
+        schedule, _ = resolve_preset(coefficients, steps=steps)
+    except ValueError:
+        return False
+    return any(schedule == preset.schedule(len(schedule)) for preset in PRESETS.values())

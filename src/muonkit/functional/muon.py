@@ -67,6 +67,36 @@ def momentum_(buffers: list[Tensor], grads: list[Tensor], *, momentum: float) ->
         torch._foreach_lerp_(buffers, _like_buffers(grads, buffers), 1.0 - momentum)
 
 
+def where_(targets: Sequence[Tensor], values: Sequence[Tensor], ok: Tensor) -> None:
+    """``targets <- values`` where the 0-dim bool ``ok`` is true, else unchanged, bit for bit either
+    way (a NaN in ``values`` never leaks into a target it does not replace); no host read."""
+    for t, v in zip(targets, values, strict=True):
+        torch.where(ok, v if v.dtype == t.dtype else v.to(t.dtype), t, out=t)
+
+
+def momentum_masked_(buffers: list[Tensor], grads: list[Tensor], *, momentum: float, ok: Tensor) -> None:
+    """:func:`momentum_` where the device flag ``ok`` is true, else nothing (one chunk's new buffers as scratch)."""
+    if buffers:
+        where_(buffers, torch._foreach_lerp(buffers, _like_buffers(grads, buffers), 1.0 - momentum), ok)
+
+
+def muon_apply_masked_(
+    params: Sequence[Tensor],
+    directions: Sequence[Tensor],
+    *,
+    ok: Tensor,
+    lr: float | Tensor,
+    weight_decay: float | Tensor,
+    cautious_wd: bool = False,
+) -> None:
+    """:func:`muon_apply_` where the device flag ``ok`` is true, else nothing: the same operations on
+    copies of ``params`` (the same rounding, bit for bit), then :func:`where_`."""
+    if params:
+        work = [p.clone() for p in params]
+        muon_apply_(work, directions, lr=lr, weight_decay=weight_decay, cautious_wd=cautious_wd)
+        where_(params, work, ok)
+
+
 def _like_buffers(grads: list[Tensor], buffers: list[Tensor]) -> list[Tensor]:
     return [g if g.dtype == b.dtype else g.to(b.dtype) for g, b in zip(grads, buffers, strict=True)]
 
