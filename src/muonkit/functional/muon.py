@@ -203,20 +203,23 @@ def _by_shape(
     for ti, mats in enumerate(pieces):
         for bi, m in enumerate(mats):
             by_shape.setdefault((m.size(-2), m.size(-1)), []).append((ti, bi))
-    results: list[list[Tensor]] = [[torch.empty(0)] * len(mats) for mats in pieces]
+    results: dict[tuple[int, int], Tensor] = {}  # (tensor, block) -> its result; every one is set below
     for (rows, cols), members in by_shape.items():
         batch = [pieces[ti][bi] for ti, bi in members]
         if not any(m.numel() for m in batch):  # empty matrices: empty directions, nothing to compute
             for ti, bi in members:
-                results[ti][bi] = pieces[ti][bi]
+                results[ti, bi] = pieces[ti][bi]
             continue
         if on_batch is not None:
             on_batch(sum(m.size(0) for m in batch), rows, cols)
         out = compute(batch, rows, cols, members)
         chunks = [out] if len(batch) == 1 else torch.split(out, [m.size(0) for m in batch])
         for (ti, bi), chunk in zip(members, chunks, strict=True):
-            results[ti][bi] = chunk
-    return [layout.from_matrices(r, u.shape) for r, u, layout in zip(results, updates, layouts, strict=True)]
+            results[ti, bi] = chunk
+    return [
+        layout.from_matrices([results[ti, bi] for bi in range(len(mats))], u.shape)
+        for ti, (mats, u, layout) in enumerate(zip(pieces, updates, layouts, strict=True))
+    ]
 
 
 def muon_apply_(

@@ -338,17 +338,17 @@ def gram_restarts(steps: int, dtype: torch.dtype | None = None) -> tuple[int, ..
     iteration in the same dtype and in fp64:
 
     - fp32, up to 5 steps (every preset's own count): no restart. Its relative distance to the
-      plain fp32 iteration is at most 4.5e-3 (Polar Express on 16x80 to 128x512 hard inputs;
-      3.5e-4 on GPT-2's 768x3072, 1.2e-4 with the restart), every output singular value stays in
+      plain fp32 iteration is at most 4.6e-3 (Polar Express on 16x80 to 128x512 hard inputs;
+      2.4e-4 on GPT-2's 768x3072, 1.2e-4 with the restart), every output singular value stays in
       the preset's band and the polar distance is unchanged to 4 digits;
       dropping the restart saves 17% of the Gram FLOPs at 768x3072 (27.2 -> 22.6 GFLOP; plain
       iteration 40.8) and 12% at 768x2304 (23.6 -> 20.8). From 6 steps the drift grows ~4x per step
-      (8.7e-3 at 6, 4.2e-2 at 7; singular values 1.75 at 8 steps, 1e17 at 10), so from 6 steps
+      (8.6e-3 at 6, 4.0e-2 at 7; singular values 1.7 at 8 steps, 1e17 at 10), so from 6 steps
       the restarts above apply.
     - fp64, up to 10 steps: no restart (distance to the plain fp64 iteration at most 1.1e-7 at
-      10 steps, 1.2e-5 at 12), then the restarts above.
-    - bf16 and fp16: the restarts above, which are not enough (singular values up to 33 at 6
-      steps, inf from 10; without the restart 1.9e13 at 5 steps): :func:`uses_gram` keeps these
+      10 steps, 1.3e-5 at 12), then the restarts above.
+    - bf16 and fp16: the restarts above, which are not enough (singular values up to 45 at 6
+      steps, inf from 10; without the restart 2e13 at 5 steps): :func:`uses_gram` keeps these
       dtypes on the plain iteration, so ``orthogonalize`` never runs this.
     """
     if steps <= _GRAM_NO_RESTART_UP_TO.get(dtype or torch.float32, 0):
@@ -392,12 +392,21 @@ def _gram_newton_schulz_(
     except one ``X X^T`` at the start and ``Q X`` at the end. Per step 4 n^3 + 4 n^3 FLOPs instead
     of 4 n^2 m + 2 n^3.
 
+    ``a I`` is added only where Q starts (the first step, and after a restart); elsewhere each
+    product by P is one fused ``a Y + S Y`` (``baddbmm``) with ``S = b R + c R^2``: ``Q <- a Q + S Q``
+    and ``R <- T P`` with ``T = P R = a R + S R`` (P commutes with R). Four aten calls per step, not
+    six, at the same FLOPs. Each fused product is closer to fp64 (4x) than one by a rounded P; over
+    the iteration the worst distance to the plain iteration on hard inputs is unchanged (within 3%
+    either way; 2.4e-4 on GPT-2's 768x3072, was 3.5e-4), while on small Gaussian inputs (16x80 to
+    128x512) the distance to fp64 grows 1.5-2.4x, to at most 7.4e-6 (plain fp32 4.3e-6; both
+    1.1e-4 at 768x3072).
+
     Unlike the plain iteration, nothing pulls the tracked R back to the Gram matrix of ``Q X_0``:
     its rounding error (and negative eigenvalues where X is rank-deficient or ill-conditioned)
     grows by up to a^2 (66 for Polar Express's first step, 5.5 for its last) at each update, and a
     negative eigenvalue r makes ``a + b r + c r^2`` grow without bound. So at each step of
     ``restarts`` (:func:`gram_restarts`; none up to 5 steps in fp32, where the drift stays within
-    4.5e-3 of the plain iteration) ``X`` is rebuilt from ``Q`` and R recomputed from it. That
+    4.6e-3 of the plain iteration) ``X`` is rebuilt from ``Q`` and R recomputed from it. That
     bounds the growth in fp32 and fp64 (fp32 error ~1e-7 times at most ~1e4); in bf16 (~4e-3) even a restart
     every second step measured singular values up to 19 (Polar Express, 5 steps) and diverged to
     inf from 8 steps, so :func:`uses_gram` keeps bf16 and fp16 on the plain iteration.
@@ -415,13 +424,18 @@ def _gram_newton_schulz_(
                 x, spare = spare, x
             gram = torch.bmm(x, x.mT)
             q = None
-        poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
-        poly.diagonal(dim1=-2, dim2=-1).add_(a)
-        q = poly if q is None else torch.bmm(poly, q)
+        s = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)  # S = b R + c R^2, so P = a I + S
+        if q is None:  # Q starts as P, formed in place of S (so the products below take a = 0)
+            s.diagonal(dim1=-2, dim2=-1).add_(a)
+            q, a = s, 0.0
+        else:
+            q = torch.baddbmm(q, s, q, beta=a)  # P Q = a Q + S Q
         if i + 1 < len(schedule) and i + 1 not in restarts:
-            # R <- P R P, the new R written over the old one once P R is formed.
-            gram = torch.bmm(poly, torch.bmm(gram, poly), out=None if spare is None else gram)
-    del gram, poly  # only Q is needed for the result
+            # R <- P R P = T P (T = P R = a R + S R; P commutes with R), written over the old R.
+            t = torch.baddbmm(gram, s, gram, beta=a)
+            gram = torch.baddbmm(t, t, s, beta=a, out=None if spare is None else gram)
+            del t
+    del gram, s  # only Q is needed for the result
     if q is None:
         return x
     return torch.bmm(q, x) if spare is None else torch.bmm(q, x, out=spare)
