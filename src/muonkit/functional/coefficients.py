@@ -144,7 +144,7 @@ def resolve_preset(
             )
         return preset.schedule(steps), preset.norm_factor
     schedule = Preset("custom", as_schedule(coefficients, name=name), 1.0, (0.0, 0.0), 0.0).schedule(steps)
-    step, bound = worst_growth(schedule)
+    step, bound = worst_growth(schedule, limit=GROWTH_LIMIT)
     if bound > GROWTH_LIMIT:
         raise ValueError(
             f"Invalid {name}={coefficients!r} with {len(schedule)} steps: step {step + 1} can map a singular "
@@ -170,24 +170,24 @@ below ``COEFFICIENT_LIMIT * GROWTH_LIMIT**5 = 1e18``, far inside bfloat16's and 
 (3.4e38); float16 (max 65504) is narrower, and its range is the caller's to respect."""
 
 
-def worst_growth(schedule: Sequence[Coefficients]) -> tuple[int, float]:
-    """``(step, bound)``: the first step whose worst-case output exceeds :data:`GROWTH_LIMIT`, else
-    the step with the largest worst-case output; and that output.
+def worst_growth(schedule: Sequence[Coefficients], *, limit: float = math.inf) -> tuple[int, float]:
+    """``(step, bound)``: the first step whose worst-case output exceeds ``limit``, else the step
+    with the largest worst-case output; and that output.
 
     The input singular values lie in [0, 1] (the iteration divides by the Frobenius norm); each
     step maps [0, m] into [0, max |p(s)| for s in [0, m]], computed exactly from ``m`` and the
     critical points of ``p(s) = a s + b s^3 + c s^5`` (the roots of ``5c u^2 + 3b u + a`` in
     ``u = s^2``). A bound, not a prediction: a singular value cannot grow beyond it.
     """
-    return _worst_growth(tuple(schedule))
+    return _worst_growth(tuple(schedule), limit)
 
 
 @functools.lru_cache(maxsize=64)
-def _worst_growth(schedule: tuple[Coefficients, ...]) -> tuple[int, float]:
+def _worst_growth(schedule: tuple[Coefficients, ...], limit: float) -> tuple[int, float]:
     m, peak = 1.0, (0, 0.0)
     for i, (a, b, c) in enumerate(schedule):
         m = max(abs(_quintic(a, b, c, s)) for s in (m, *_critical_points(a, b, c, m)))
-        if m > GROWTH_LIMIT:
+        if m > limit or not math.isfinite(m):
             return i, m
         peak = max(peak, (i, m), key=lambda x: x[1])
     return peak
