@@ -246,12 +246,12 @@ def cautious_decay_(
     if not params:
         return
     factor = 1.0 - lr * weight_decay
-    keep = torch._foreach_sign(list(params))
-    torch._foreach_mul_(keep, torch._foreach_sign(updates))
-    torch._foreach_add_(keep, 1.0)
-    torch._foreach_clamp_max_(keep, 1.0)
+    signs = torch._foreach_sign(list(params))
+    torch._foreach_mul_(signs, torch._foreach_sign(list(updates)))
+    torch._foreach_add_(signs, 1.0)
+    torch._foreach_clamp_max_(signs, 1.0)
     dtypes = [_multiplier_dtype(w, factor) for w in params]
-    keep = [k if k.dtype == d else k.to(d) for k, d in zip(keep, dtypes, strict=True)]
+    keep = [k if k.dtype == d else k.to(d) for k, d in zip(signs, dtypes, strict=True)]
     rest = torch._foreach_neg(keep)
     torch._foreach_add_(rest, 1.0)
     torch._foreach_mul_(keep, factor)
