@@ -236,6 +236,19 @@ MUON_BAD: list[tuple[str, Any, str]] = [
         "Invalid ns_coefficients=[(3.0, inf, 1.0)]: each step must be an (a, b, c) triple of finite floats",
     ),
     ("ns_coefficients", [], "Invalid ns_coefficients=[]: need at least one (a, b, c) triple"),
+    (
+        "ns_coefficients",
+        [(1.0, 1.0, 3.4e38)],
+        "Invalid ns_coefficients=[(1.0, 1.0, 3.4e+38)]: every coefficient must be within [-1000, 1000] "
+        "(the published presets' largest is 22.5), got (1.0, 1.0, 3.4e+38)",
+    ),
+    (
+        "ns_coefficients",
+        [(1.0, 0.0, 2.0)] * 3,
+        "Invalid ns_coefficients=[(1.0, 0.0, 2.0), (1.0, 0.0, 2.0), (1.0, 0.0, 2.0)] with 3 steps: step 3 can map "
+        "a singular value in [0, 1] to 5.59e+13, above the allowed 1000 (the presets stay below 2): the iteration "
+        "diverges and would overflow or give a useless update",
+    ),
     ("ns_steps", 0, "Invalid ns_steps=0: must be None or an int in [1, 100]"),
     ("ns_steps", 2.5, "Invalid ns_steps=2.5: must be None or an int in [1, 100]"),
     ("eps", 0.0, "Invalid eps=0.0: must be > 0"),

@@ -52,7 +52,7 @@ def test_muon_keywords_are_torch_muons_defaults() -> None:
 def test_deepspeed_options_are_the_defaults() -> None:
     options = dataclasses.asdict(MuonkitOptions())
     shared = [k for k in FIELDS if k in options]
-    assert len(shared) == 18  # all but layout and split_sizes (routing decides those)
+    assert len(shared) == 19  # all but layout and split_sizes (routing decides those) and capturable
     assert {k: options[k] for k in shared} == {k: getattr(DEFAULTS, k) for k in shared}
 
 
@@ -60,7 +60,7 @@ def test_deepspeed_docstring_table_states_the_defaults() -> None:
     doc = deepspeed_config.__doc__ or ""
     rows = dict(re.findall(r"^``(\w+)``\s+(.+?)\s{2,}", doc, flags=re.M))
     stated = {k: _json_literal(v) for k, v in rows.items() if k in FIELDS}
-    assert len(stated) == 18
+    assert len(stated) == 19
     assert stated == {k: _as_json(getattr(DEFAULTS, k)) for k in stated}
 
 

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import muonkit
+from muonkit.config import READ_KEYS
 
 EXAMPLES = settings().max_examples * 6  # 150 under the ci profile
 
@@ -94,9 +95,15 @@ CONSTRUCTOR_VALUES = {
 
 
 @st.composite
-def group_dicts(draw: Callable[..., Any], *, params: list[nn.Parameter]) -> dict[str, Any]:
+def group_dicts(draw: Callable[..., Any], *, params: list[nn.Parameter], algorithm: Any = None) -> dict[str, Any]:
     keys = draw(st.lists(st.sampled_from(sorted(GROUP_VALUES)), max_size=3, unique=True))
     group: dict[str, Any] = {"params": params, **{k: draw(GROUP_VALUES[k]) for k in keys}}
+    if algorithm is not None:
+        group["algorithm"] = algorithm
+    chosen = group.get("algorithm") or ("muon" if all(p.ndim >= 2 for p in params) else "adamw")
+    reads = READ_KEYS.get(chosen) if isinstance(chosen, str) else None
+    if reads is not None and draw(st.sampled_from([True] * 4 + [False])):  # mostly keys its algorithm reads
+        group = {k: v for k, v in group.items() if k in (*reads, "params", "algorithm")}
     if draw(st.sampled_from([False] * 9 + [True])):  # hypothesis favours the first choice
         group[draw(st.sampled_from(UNKNOWN_KEYS))] = draw(anything)
     return group
@@ -164,7 +171,7 @@ def test_fuzzed_constructor_and_groups() -> None:
         matrix, vector = _params()
         groups = [
             data.draw(group_dicts(params=[matrix]), label="muon group"),
-            data.draw(group_dicts(params=[vector]), label="adamw group") | {"algorithm": "adamw"},
+            data.draw(group_dicts(params=[vector], algorithm="adamw"), label="adamw group"),
         ]
         keys = data.draw(st.lists(st.sampled_from(sorted(CONSTRUCTOR_VALUES)), max_size=3, unique=True))
         kwargs = {k: data.draw(CONSTRUCTOR_VALUES[k], label=k) for k in keys}

@@ -250,3 +250,71 @@ def test_scheduler_keys_are_accepted_before_and_after_construction() -> None:
     del copied[0]["note"]
     assert {"initial_lr", "max_lr", "min_lr", "max_momentum", "base_momentum"} <= set(copied[0])
     muonkit.HybridMuon(copied).step()
+
+
+ADAMW_READS = "('lr', 'betas', 'eps', 'weight_decay', 'cautious_wd')"
+UNREAD = [  # (algorithm, key, value): a key the group's algorithm never reads
+    ("adamw", "ns_steps", 3),
+    ("adamw", "momentum", 0.9),
+    ("adamw", "nesterov", False),
+    ("adamw", "ns_method", "newton_schulz"),
+    ("adamw", "ns_coefficients", "keller"),
+    ("adamw", "layout", "matrix"),
+    ("adamw", "ns_compile", True),
+    ("muon", "betas", (0.9, 0.99)),
+    ("normuon", "betas", (0.9, 0.99)),
+]
+
+
+def _unread_message(algorithm: str, key: str, index: int) -> str:
+    reads = ADAMW_READS if algorithm == "adamw" else str(muonkit.config.READ_KEYS[algorithm])
+    return (
+        f"Invalid key {key!r} in param group {index}: {algorithm!r} groups never read it, so it would be "
+        f"ignored; {algorithm!r} groups read {reads}"
+    )
+
+
+@pytest.mark.parametrize(("algorithm", "key", "value"), UNREAD, ids=[f"{a}-{k}" for a, k, _ in UNREAD])
+def test_a_key_the_group_algorithm_never_reads_is_refused(algorithm: str, key: str, value: Any) -> None:
+    shape = (6,) if algorithm == "adamw" else (6, 4)
+    group = {"params": [nn.Parameter(torch.randn(shape))], "algorithm": algorithm, key: value}
+    with pytest.raises(ValueError, match="^" + re.escape(_unread_message(algorithm, key, 0)) + "$"):
+        muonkit.HybridMuon([group])
+    opt = muonkit.HybridMuon([{"params": [nn.Parameter(torch.randn(6, 4))]}])
+    before = [dict(g) for g in opt.param_groups]
+    with pytest.raises(ValueError, match="^" + re.escape(_unread_message(algorithm, key, 1)) + "$"):
+        opt.add_param_group(group)
+    assert [dict(g) for g in opt.param_groups] == before and not opt.state
+
+
+def test_adamw_keys_in_a_muon_optimizer_group_are_refused() -> None:
+    with pytest.raises(ValueError, match=re.escape(_unread_message("muon", "betas", 0))):
+        muonkit.Muon([{"params": [nn.Parameter(torch.randn(6, 4))], "betas": (0.9, 0.99)}])
+
+
+def test_constructor_defaults_of_the_other_algorithm_still_apply_to_every_group() -> None:
+    model = Tiny()
+    opt = muonkit.HybridMuon(muonkit.param_groups(model), ns_steps=3, momentum=0.9, betas=(0.8, 0.9), nesterov=False)
+    assert {g["algorithm"] for g in opt.param_groups} == {"muon", "adamw"}
+    tiny_loss(model).backward()
+    opt.step()
+    back = muonkit.HybridMuon(muonkit.param_groups(model), ns_steps=3, momentum=0.9, betas=(0.8, 0.9))
+    back.load_state_dict(opt.state_dict())  # saved groups hold every key: they load
+    assert [g["nesterov"] for g in back.param_groups] == [False] * len(back.param_groups)
+
+
+def test_a_copied_group_passes_at_the_defaults_and_an_edited_unread_key_is_refused() -> None:
+    opt = muonkit.HybridMuon(muonkit.param_groups(Tiny()))
+    adamw = next(g for g in opt.param_groups if g["algorithm"] == "adamw")
+    muon = next(g for g in opt.param_groups if g["algorithm"] == "muon")
+    opt.add_param_group({**adamw, "params": [nn.Parameter(torch.randn(6))], "param_names": ["b"]})
+    opt.add_param_group({**muon, "params": [nn.Parameter(torch.randn(6, 4))], "param_names": ["w"]})
+    n = len(opt.param_groups)
+    message = _unread_message("adamw", "ns_steps", n).replace(
+        "ignored;", "ignored (a group copied from param_groups may keep it only at the optimizer's default);"
+    )
+    with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+        opt.add_param_group({**adamw, "params": [nn.Parameter(torch.randn(6))], "param_names": ["c"], "ns_steps": 3})
+    with pytest.raises(ValueError, match="^" + re.escape(_unread_message("adamw", "momentum", n)) + "$"):
+        opt.add_param_group({"params": [nn.Parameter(torch.randn(6))], "algorithm": "adamw", "momentum": 0.95})
+    assert len(opt.param_groups) == n

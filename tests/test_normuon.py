@@ -332,3 +332,61 @@ def test_make_optimizer_builds_normuon_groups_and_cautious_decay() -> None:
     assert all(g["cautious_wd"] is True for g in opt.param_groups)
     with pytest.raises(ValueError, match=r"Unknown key 'beta2' among make_optimizer's Muon options"):
         make_optimizer(model, beta2=0.9)
+
+
+def _cautious_per_tensor(params: list[Tensor], updates: list[Tensor], factor: float | Tensor) -> None:
+    """cautious_decay_ as it was, one tensor at a time: the bit-for-bit reference."""
+    for w, u in zip(params, updates, strict=True):
+        same = torch.sign(u) * torch.sign(w) >= 0
+        w.copy_(torch.where(same, w * factor, w))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("rate", ["float", "tensor"])
+def test_cautious_decay_is_foreach_and_bit_for_bit_the_per_tensor_form(dtype: torch.dtype, rate: str) -> None:
+    """Over a list of several shapes and dtypes of updates, with zeros, -0.0 and infinities in the
+    weights and updates: the same bits as the per-tensor form; and a fixed set of foreach ops,
+    however many tensors (the per-tensor form issues a few ops per tensor)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from muonkit.functional import cautious_decay_
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            self.names.append(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    def case(n: int) -> tuple[list[Tensor], list[Tensor]]:
+        gen = torch.Generator().manual_seed(n)
+        params = [torch.randn(3 + i, 4, generator=gen).to(dtype) for i in range(n)]
+        updates = [torch.randn(3 + i, 4, generator=gen).to(torch.float32 if i % 2 else dtype) for i in range(n)]
+        specials = torch.tensor([0.0, -0.0, float("inf"), -float("inf")])
+        params[0][0], updates[0][0] = specials, specials.flip(0)
+        params[0][1, :2], updates[0][1, :2] = 0.0, -1.0
+        return params, updates
+
+    lr = torch.tensor(0.25) if rate == "tensor" else 0.25
+    for n in (1, 5):
+        params, updates = case(n)
+        want = [p.clone() for p in params]
+        _cautious_per_tensor(want, updates, 1.0 - lr * 0.3)
+        cautious_decay_(params, updates, lr=lr, weight_decay=0.3)
+        for got, expected in zip(params, want, strict=True):
+            assert got.dtype == dtype and torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
+    counts = {}
+    for n in (2, 6):
+        params, updates = case(n)
+        updates = [u.to(dtype) for u in updates]
+        with Ops() as ops:
+            cautious_decay_(params, updates, lr=lr, weight_decay=0.3)
+        casts = ops.names.count("aten._to_copy")  # bf16 weights: the multiplier is float32
+        assert casts == (n if dtype == torch.bfloat16 else 0), ops.names
+        counts[n] = [name for name in ops.names if name != "aten._to_copy"]
+        factor_ops = ["aten.mul", "aten.rsub"] if rate == "tensor" else []  # 1 - lr*wd on the device
+        assert counts[n][: len(factor_ops)] == factor_ops, ops.names
+        assert all(name.startswith("aten._foreach_") for name in counts[n][len(factor_ops) :]), ops.names
+    assert counts[2] == counts[6], counts

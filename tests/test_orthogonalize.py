@@ -209,6 +209,16 @@ def test_low_precision_input_keeps_its_dtype() -> None:
             "Invalid coefficients=[(1.0, 2.0, nan)]: each step must be an (a, b, c) triple of finite floats",
         ),
         ({"coefficients": []}, torch.randn(4, 4), "Invalid coefficients=[]: need at least one (a, b, c) triple"),
+        (
+            {"coefficients": [(1.0, 0.0, 1e39)]},  # no float32 holds it: was a RuntimeError mid-iteration
+            torch.randn(4, 4),
+            "Invalid coefficients=[(1.0, 0.0, 1e+39)]: every coefficient must be within [-1000, 1000]",
+        ),
+        (
+            {"coefficients": [(3.0, 0.0, 0.0)], "steps": 7},  # 3^7 = 2187: finite, but no orthogonalization
+            torch.randn(4, 4),
+            "Invalid coefficients=[(3.0, 0.0, 0.0)] with 7 steps: step 7 can map a singular value in [0, 1] to 2.19e+03",
+        ),
         # Checked before the early return for empty input: bad arguments never pass silently.
         ({"eps": -1.0}, torch.randn(0, 8), "Invalid eps=-1.0: must be > 0"),
     ],
@@ -269,3 +279,26 @@ def test_property_finite_shape_dtype_and_bounded(
     if x.abs().max() > 0:
         top = torch.linalg.svdvals(o.to(F64)).max().item()
         assert 0.5 <= top <= PRESETS[preset].band[1] + 0.01
+
+
+def test_worst_growth_is_the_exact_peak_and_the_presets_sit_far_inside_the_limits() -> None:
+    """``worst_growth`` is the largest |output| of the composed scalar iteration over s in [0, 1]
+    (a dense float64 grid reaches it), and every preset, at every step count, peaks below 2 with
+    coefficients 40x inside ``COEFFICIENT_LIMIT``."""
+    from muonkit.functional.coefficients import COEFFICIENT_LIMIT, GROWTH_LIMIT, worst_growth
+
+    gen = torch.Generator().manual_seed(0)
+    schedules = [PRESETS[p].schedule(n) for p in PRESETS for n in (1, 2, 5)]
+    schedules += [tuple(tuple(float(v) for v in 3 * torch.rand(3, generator=gen) - 1.5) for _ in range(3))]
+    s = torch.linspace(0, 1, 200_001, dtype=torch.float64)
+    for schedule in schedules:
+        x, peaks = s.clone(), []
+        for a, b, c in schedule:
+            x = a * x + b * x**3 + c * x**5
+            peaks.append(x.abs().max().item())
+        step, bound = worst_growth(schedule)
+        peak = max(peaks)
+        assert peaks[step] == peak and bound * (1 - 1e-6) <= peak <= bound * (1 + 1e-12), (schedule, peaks, bound)
+    for preset in PRESETS.values():
+        assert max(worst_growth(preset.schedule(n))[1] for n in range(1, 101)) < 2 < GROWTH_LIMIT / 100
+        assert max(abs(v) for step in preset.steps for v in step) * 40 < COEFFICIENT_LIMIT

@@ -220,6 +220,12 @@ def _group_kwargs(kwargs: dict[str, Any]) -> bool:
     return not CONSTRUCTOR_ONLY & kwargs.keys()
 
 
+def _muon_and_adamw(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A constructor input as group keys: the Muon group's, and ``betas`` for the AdamW group (a
+    Muon group refuses it: it would never be read)."""
+    return {k: v for k, v in kwargs.items() if k != "betas"}, {k: v for k, v in kwargs.items() if k == "betas"}
+
+
 # ---------------------------------------------------------------------------------- errors
 
 
@@ -303,7 +309,7 @@ def test_param_groups_lr(info: OptimizerInfo) -> None:
     for optim_input in _inputs(info):
         if not _group_kwargs(optim_input.kwargs):
             continue
-        kwargs = {**optim_input.kwargs, "lr": optim_input.kwargs.get("lr") or 1e-3}
+        kwargs, adamw = _muon_and_adamw({**optim_input.kwargs, "lr": optim_input.kwargs.get("lr") or 1e-3})
         weight, bias = _weight_bias()
         frozen = [Parameter(torch.randn(2, 3))] + ([Parameter(torch.randn(3))] if _hybrid(info) else [])
         before = [p.detach().clone() for p in frozen]
@@ -312,7 +318,7 @@ def test_param_groups_lr(info: OptimizerInfo) -> None:
         outer: dict[str, Any] = {"lr": 1e-28}
         if _hybrid(info):
             groups += [
-                {"params": [bias], "algorithm": "adamw", "lr": 1e-2},
+                {"params": [bias], "algorithm": "adamw", "lr": 1e-2, **adamw},
                 {"params": frozen[1:], "algorithm": "adamw"},
             ]
             outer["adamw_lr"] = 1e-28
@@ -335,8 +341,11 @@ def test_param_groups_weight_decay(info: OptimizerInfo) -> None:
         weight, bias = _weight_bias()
         weight2 = Parameter(torch.randn(10, 5))
         x = torch.randn(5)
-        second: dict[str, Any] = {"params": [bias], "algorithm": "adamw"} if _hybrid(info) else {"params": [weight2]}
-        opt = info.optim_cls([{"params": [weight], **optim_input.kwargs}, {**second, "weight_decay": 0.0}])
+        muon, adamw = _muon_and_adamw(optim_input.kwargs)
+        second: dict[str, Any] = (
+            {"params": [bias], "algorithm": "adamw", **adamw} if _hybrid(info) else {"params": [weight2]}
+        )
+        opt = info.optim_cls([{"params": [weight], **muon}, {**second, "weight_decay": 0.0}])
         closure = functools.partial(_pair_closure, opt, weight, bias if _hybrid(info) else weight2, x)
         initial = closure().item()
         for _ in range(20):

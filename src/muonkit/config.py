@@ -272,6 +272,49 @@ def check_group_keys(group: Mapping[str, Any], where: str = "", *, allowed: Sequ
         )
 
 
+READ_KEYS: dict[str, tuple[str, ...]] = {"muon": MUON_KEYS, "normuon": NORMUON_KEYS, "adamw": ADAMW_KEYS}
+"""The hyperparameters each algorithm's step reads (besides ``params``, ``param_names``,
+``algorithm`` and the :data:`SCHEDULER_KEYS`)."""
+
+
+def check_read_keys(group: Mapping[str, Any], index: int, *, defaults: Mapping[str, Any]) -> None:
+    """Refuse a hyperparameter ``group`` sets that its algorithm never reads: it would be ignored silently.
+
+    ``group`` is what the caller passed (before the optimizer's ``defaults`` fill it in), with its
+    ``algorithm`` resolved; ``{"algorithm": "adamw", "ns_steps": 3}`` and ``betas`` in a Muon group
+    raise. Two exceptions, both read or harmless: ``betas`` in a Muon group that carries
+    ``base_momentum`` (a momentum-cycling scheduler's; its ``betas[0]`` is the Muon momentum), and
+    in a group that holds every key of ``defaults`` (one copied whole from an optimizer's
+    ``param_groups``, where torch filled them in), unread keys at exactly their value in ``defaults``.
+    """
+    algorithm = group.get("algorithm")
+    reads = READ_KEYS.get(algorithm) if isinstance(algorithm, str) else None
+    if reads is None:  # group_config refuses it
+        return
+    copied = all(k in group for k in defaults)
+    for key in group:
+        if key in reads or key in ("params", "param_names", "algorithm", *SCHEDULER_KEYS):
+            continue
+        if key == "betas" and algorithm in MATRIX_ALGORITHMS and "base_momentum" in group:
+            continue
+        if copied and key in defaults and _same(group[key], defaults[key]):
+            continue
+        hint = " (a group copied from param_groups may keep it only at the optimizer's default)" if copied else ""
+        raise ValueError(
+            f"Invalid key {key!r} in param group {index}: {algorithm!r} groups never read it, so it would be "
+            f"ignored{hint}; {algorithm!r} groups read {reads}"
+        )
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return a is b
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except (TypeError, ValueError, RuntimeError):  # an odd value's __eq__ or __bool__: not the default
+        return False
+
+
 def key_hint(key: Any, allowed: Sequence[str]) -> str:
     """`` (did you mean 'adjust_lr'?)`` and the like for an unknown ``key``, or ``""``."""
     if not isinstance(key, str):

@@ -29,6 +29,7 @@ from muonkit.config import (
     AdamWConfig,
     MuonConfig,
     check_group_keys,
+    check_read_keys,
     group_config,
     key_hint,
     plain_hyperparameters,
@@ -343,6 +344,7 @@ class HybridMuon(Optimizer):
             group.setdefault(key, value)
         filled = {**self.defaults, **group}
         group_config(filled, index)
+        check_read_keys(group, index, defaults=self.defaults)
         if filled["algorithm"] in MATRIX_ALGORITHMS:
             _check_muon_params(params, filled, index)
         if self.capturable:

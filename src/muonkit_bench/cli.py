@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+from collections.abc import Iterable
 from types import ModuleType
 from typing import Any
 
@@ -73,6 +74,19 @@ def _guarded(main: Any) -> Any:
             raise SystemExit(f"muonkit bench {args.bench}: {message}") from e
 
     return run
+
+
+def chosen(option: str, text: str, known: Iterable[str], *, hint: str = "") -> list[str]:
+    """The comma-separated names of ``option`` (``--methods``), each one of ``known``, or SystemExit
+    naming the unknown ones and listing the known ones (before the benchmark runs anything)."""
+    names = [n for n in text.split(",") if n]
+    allowed = list(known)
+    unknown = [n for n in names if n not in allowed]
+    if unknown or not names:
+        raise SystemExit(
+            f"Invalid {option} {text!r}: {', '.join(map(repr, unknown)) or 'no name'}; known: {', '.join(allowed)}{hint}"
+        )
+    return names
 
 
 def _unavailable(message: str) -> Any:

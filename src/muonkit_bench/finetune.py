@@ -34,6 +34,8 @@ import time
 from pathlib import Path
 from typing import Any, Literal
 
+from muonkit_bench.cli import chosen
+
 HELP = "pretrain the GPT with AdamW and HybridMuon, fine-tune each with both on labelled tasks; MiniLM via the Trainer"
 logger = logging.getLogger(__name__)
 
@@ -211,6 +213,10 @@ def main(args: argparse.Namespace) -> int:
 
     preset = PRESETS[args.preset]
     seeds = tuple(int(s) for s in args.seeds.split(",")) if args.seeds else preset["seeds"]
+    if args.tasks:  # checked here, not after the pretraining
+        from muonkit_bench.labelled import TASKS
+
+        chosen("--tasks", ",".join(args.tasks), TASKS)
     start = time.perf_counter()
     report: dict[str, Any] = {
         "preset": args.preset,

@@ -26,6 +26,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from muonkit_bench.cli import chosen
 from muonkit_bench.memory_math import OPTIMIZERS, STAGES, ElementBytes, Savings, zero_table
 
 logger = logging.getLogger(__name__)
@@ -191,6 +192,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     from muonkit_bench.environment import environment
 
+    if args.measure:  # checked before the tables, not when the first probe process fails
+        from muonkit_bench.memory_probe import PROBE_OPTIMIZERS
+
+        chosen("--probe-optimizers", args.probe_optimizers, PROBE_OPTIMIZERS)
     sizes = ElementBytes(muon_state=args.muon_state_bytes)
     names = args.config or sorted(bundled_configs())
     reports = []

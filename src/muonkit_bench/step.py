@@ -35,6 +35,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from muonkit_bench.cli import chosen
+
 HELP = "optimizer step time and orthogonalization error: HybridMuon vs torch.optim.Muon vs DeepSpeed Muon vs AdamW"
 logger = logging.getLogger(__name__)
 
@@ -221,7 +223,7 @@ def compare_peers(h: Harness, args: argparse.Namespace) -> dict[str, Any]:
     from muonkit_bench.peers import peers
 
     table = peers(deepspeed=not args.no_deepspeed, compiled=args.compiled)
-    wanted = args.methods.split(",") if args.methods else list(table)
+    wanted = _methods(args) or list(table)
     rows = {}
     for name in wanted:
         peer = table[name]
@@ -234,11 +236,12 @@ def compare_peers(h: Harness, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def compare_presets(h: Harness, args: argparse.Namespace) -> dict[str, Any]:
+    from muonkit.functional.coefficients import PRESETS
     from muonkit_bench.peers import hybrid_muon
 
     rows = {}
-    for preset in args.presets.split(","):
-        for steps in (int(s) for s in args.ns_steps.split(",")):
+    for preset in chosen("--presets", args.presets, PRESETS):
+        for steps in _ns_steps(args.ns_steps):
             logger.info("%s: hybrid_muon %s x%d", h.name, preset, steps)
 
             def build(groups: list[dict[str, Any]], preset: str = preset, steps: int = steps) -> Any:
@@ -250,6 +253,39 @@ def compare_presets(h: Harness, args: argparse.Namespace) -> dict[str, Any]:
                 **h.run(build, warmup=args.warmup, repeats=args.repeats),
             }
     return rows
+
+
+def _methods(args: argparse.Namespace) -> list[str]:
+    """``--methods``, each a peer of this run (SystemExit listing them otherwise); [] if not given."""
+    from muonkit_bench.peers import peers
+
+    if args.methods is None:
+        return []
+    table = peers(deepspeed=not args.no_deepspeed, compiled=args.compiled)
+    compiled = [n for n in peers(deepspeed=not args.no_deepspeed, compiled=True) if n not in table]
+    deepspeed = [n for n in peers(deepspeed=True, compiled=args.compiled) if n not in table]
+    hints = [f"{', '.join(compiled)} need --compiled"] if compiled else []
+    hints += [f"--no-deepspeed leaves out {', '.join(deepspeed)}"] if deepspeed else []
+    return chosen("--methods", args.methods, table, hint=f" ({'; '.join(hints)})" if hints else "")
+
+
+def _ns_steps(text: str) -> list[int]:
+    steps = [s for s in text.split(",") if s]
+    if not steps or not all(s.isdigit() and int(s) >= 1 for s in steps):
+        raise SystemExit(f"Invalid --ns-steps {text!r}: must be comma-separated integers >= 1, e.g. 3,5")
+    return [int(s) for s in steps]
+
+
+def _check_names(args: argparse.Namespace) -> None:
+    """Every name list of the command line, checked before anything runs (a typo would otherwise
+    stop the run at its first use, minutes in)."""
+    from muonkit.functional.coefficients import PRESETS
+
+    chosen("--models", args.models, MODELS)
+    _methods(args)
+    if not args.no_presets:
+        chosen("--presets", args.presets, PRESETS)
+        _ns_steps(args.ns_steps)
 
 
 def _fmt_err(r: dict[str, Any]) -> str:
@@ -326,6 +362,7 @@ def main(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     if args.warmup < 1 or args.repeats < 1:
         raise ValueError(f"Invalid warmup={args.warmup}, repeats={args.repeats}: both must be >= 1")
+    _check_names(args)
     report: dict[str, Any] = {
         "environment": environment(),
         "args": {k: v for k, v in vars(args).items() if not callable(v)},

@@ -63,3 +63,33 @@ def test_gpt_routes_its_hidden_matrices_to_muon() -> None:
     for name, algorithm in algorithms.items():
         hidden = name.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight"))
         assert algorithm == ("muon" if hidden else "adamw"), name
+
+
+NAME_LISTS = [  # (argv, the message's start, the names it must list)
+    (["step", "--methods", "hybrid_muon,nope"], "Invalid --methods 'hybrid_muon,nope': 'nope'; known: ", ["adamw", "hybrid_muon", "torch_muon"]),
+    (["step", "--methods", "deepspeed_gram", "--no-deepspeed"], "Invalid --methods 'deepspeed_gram': 'deepspeed_gram'", ["adamw_compiled, torch_muon_compiled need --compiled; --no-deepspeed leaves out deepspeed_standard, deepspeed_gram"]),
+    (["step", "--models", "tiny,gpt3"], "Invalid --models 'tiny,gpt3': 'gpt3'; known: ", ["gpt2-124m", "bench-gpt", "tiny"]),
+    (["step", "--presets", "keller,jordan"], "Invalid --presets 'keller,jordan': 'jordan'; known: ", ["polar_express", "keller", "you"]),
+    (["step", "--ns-steps", "3,x"], "Invalid --ns-steps '3,x': must be comma-separated integers >= 1", []),
+    (["memory", "--measure", "--probe-optimizers", "adamw,sgd"], "Invalid --probe-optimizers 'adamw,sgd': 'sgd'; known: ", ["adamw", "hybrid_muon", "torch_muon"]),
+    (["finetune", "--tasks", "sentiment,imdb"], "Invalid --tasks 'sentiment,imdb': 'imdb'; known: ", ["sentiment", "trec", "rotten"]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("argv", "start", "names"), NAME_LISTS, ids=[" ".join(a[:2]) for a, _, _ in NAME_LISTS])
+def test_an_unknown_name_in_a_list_option_exits_listing_the_known_ones_before_any_work(
+    argv: list[str], start: str, names: list[str], monkeypatch: pytest.MonkeyPatch, tmp_path: pytest.TempPathFactory
+) -> None:
+    from muonkit_bench import finetune, memory, step
+
+    def ran(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the benchmark started before checking its name lists")
+
+    monkeypatch.setattr(step, "Harness", ran)
+    monkeypatch.setattr(memory, "model_report", ran)
+    monkeypatch.setattr(finetune, "gpt_finetunes", ran)
+    with pytest.raises(SystemExit) as done:
+        main(["bench", *argv, "--out", str(tmp_path / "out")])
+    message = str(done.value.code)
+    assert message.startswith(start), message
+    assert all(n in message for n in names), message

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -38,7 +39,7 @@ def test_every_documented_key_is_accepted_and_reaches_the_optimizer() -> None:
         "ns_steps": 4, "ns_method": "gram", "ns_dtype": "bfloat16", "eps": 1e-6, "adjust_lr": "match_adamw",
         "adamw_lr": 2e-4, "adamw_weight_decay": 0.01, "betas": [0.8, 0.9], "adamw_eps": 1e-7,
         "nonfinite": "raise", "split_qkv": True, "rules": [["head", "adamw"]], "muon_algorithm": "normuon",
-        "normuon_beta2": 0.9, "normuon_eps": 1e-9, "cautious_wd": True,
+        "normuon_beta2": 0.9, "normuon_eps": 1e-9, "cautious_wd": True, "ns_compile": True,
     }  # fmt: skip
     options = MuonkitOptions.from_params(params)
     model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 2))
@@ -47,8 +48,28 @@ def test_every_documented_key_is_accepted_and_reaches_the_optimizer() -> None:
     opt = muonkit.HybridMuon(muonkit.param_groups(model, **options.param_groups_kwargs()), **options.optimizer_kwargs())
     muon = next(g for g in opt.param_groups if g["algorithm"] == "normuon")
     assert (muon["lr"], muon["momentum"], muon["ns_steps"], muon["ns_method"]) == (0.03, 0.9, 4, "gram")
-    assert (muon["beta2"], muon["eps"], muon["cautious_wd"]) == (0.9, 1e-9, True)
+    assert (muon["beta2"], muon["eps"], muon["cautious_wd"], muon["ns_compile"]) == (0.9, 1e-9, True, True)
     assert opt.nonfinite == "raise"
+
+
+def test_every_hybrid_muon_keyword_is_a_config_key_or_refused_with_the_reason() -> None:
+    import inspect
+
+    import muonkit
+
+    keywords = [k for k in inspect.signature(muonkit.HybridMuon.__init__).parameters if k not in ("self", "params")]
+    keywords.remove("unknown")  # **unknown: torch's keywords, answered with a hint
+    fields = {f.name for f in dataclasses.fields(MuonkitOptions)}
+    assert "ns_compile" in keywords and "capturable" in keywords
+    for key in keywords:
+        if key in fields:
+            assert key in MuonkitOptions.from_params({}).optimizer_kwargs(), key  # and it reaches the optimizer
+            continue
+        with pytest.raises(
+            ValueError, match=rf"^Invalid muonkit optimizer params \['{key}'\] \({key}: .+\): the allowed"
+        ):
+            MuonkitOptions.from_params({key: None})
+    assert set(fields) - set(keywords) == {"muon_algorithm", "split_qkv", "rules"}  # the routing's
 
 
 def test_bad_params_name_the_key() -> None:

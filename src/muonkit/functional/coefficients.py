@@ -40,6 +40,7 @@ torch.optim.Muon's bf16 path gives 0.51 on the same input).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -130,7 +131,10 @@ def resolve_preset(
     An explicit schedule is a sequence of ``(a, b, c)``; with ``steps`` larger than its length
     the last tuple repeats, so ``[(3.4445, -4.7750, 2.0315)]`` with ``steps=5`` is Keller's.
     A single flat ``(a, b, c)`` triple (torch.optim.Muon's ``ns_coefficients``) is accepted too.
-    ``name`` is the argument named in errors.
+    ``name`` is the argument named in errors. An explicit schedule is refused (ValueError) when a
+    coefficient lies outside ``[-COEFFICIENT_LIMIT, COEFFICIENT_LIMIT]`` or when, over its
+    ``steps``, it can grow a singular value past :data:`GROWTH_LIMIT` (:func:`worst_growth`):
+    such a schedule overflows, or orthogonalizes nothing, and would fail at step time.
     """
     if isinstance(coefficients, str):
         preset = PRESETS.get(coefficients)
@@ -139,8 +143,68 @@ def resolve_preset(
                 f"Invalid {name}={coefficients!r}: must be one of {sorted(PRESETS)} or a sequence of (a, b, c) tuples"
             )
         return preset.schedule(steps), preset.norm_factor
-    schedule = as_schedule(coefficients, name=name)
-    return Preset("custom", schedule, 1.0, (0.0, 0.0), 0.0).schedule(steps), 1.0
+    schedule = Preset("custom", as_schedule(coefficients, name=name), 1.0, (0.0, 0.0), 0.0).schedule(steps)
+    step, bound = worst_growth(schedule, limit=GROWTH_LIMIT)
+    if bound > GROWTH_LIMIT:
+        raise ValueError(
+            f"Invalid {name}={coefficients!r} with {len(schedule)} steps: step {step + 1} can map a singular "
+            f"value in [0, 1] to {bound:.3g}, above the allowed {GROWTH_LIMIT:g} (the presets stay below 2): the "
+            "iteration diverges and would overflow or give a useless update"
+        )
+    return schedule, 1.0
+
+
+COEFFICIENT_LIMIT = 1e3
+"""The largest ``|a|``, ``|b|``, ``|c|`` an explicit schedule may have.
+
+The published presets' largest is 22.5 (Polar Express's first ``b``; Polar Express tuned for a
+smaller lower bound 1e-3 reaches 23.6, Keller's and You's stay under 7); the limit leaves 40x
+room for experiments while refusing what can only overflow: a coefficient past 3.4e38 does not
+even convert to float32, and ``c * s^5`` with ``s`` near 1 is the update's size."""
+
+GROWTH_LIMIT = 1e3
+"""The largest worst-case singular value (from inputs in [0, 1]) allowed after any step of an
+explicit schedule (:func:`worst_growth`). The presets stay below 2 (Polar Express's first step
+peaks at 1.993) at every step count up to 100. Below the limit every intermediate of a step is
+below ``COEFFICIENT_LIMIT * GROWTH_LIMIT**5 = 1e18``, far inside bfloat16's and float32's range
+(3.4e38); float16 (max 65504) is narrower, and its range is the caller's to respect."""
+
+
+def worst_growth(schedule: Sequence[Coefficients], *, limit: float = math.inf) -> tuple[int, float]:
+    """``(step, bound)``: the first step whose worst-case output exceeds ``limit``, else the step
+    with the largest worst-case output; and that output.
+
+    The input singular values lie in [0, 1] (the iteration divides by the Frobenius norm); each
+    step maps [0, m] into [0, max |p(s)| for s in [0, m]], computed exactly from ``m`` and the
+    critical points of ``p(s) = a s + b s^3 + c s^5`` (the roots of ``5c u^2 + 3b u + a`` in
+    ``u = s^2``). A bound, not a prediction: a singular value cannot grow beyond it.
+    """
+    return _worst_growth(tuple(schedule), limit)
+
+
+@functools.lru_cache(maxsize=64)
+def _worst_growth(schedule: tuple[Coefficients, ...], limit: float) -> tuple[int, float]:
+    m, peak = 1.0, (0, 0.0)
+    for i, (a, b, c) in enumerate(schedule):
+        m = max(abs(_quintic(a, b, c, s)) for s in (m, *_critical_points(a, b, c, m)))
+        if m > limit or not math.isfinite(m):
+            return i, m
+        peak = max(peak, (i, m), key=lambda x: x[1])
+    return peak
+
+
+def _quintic(a: float, b: float, c: float, s: float) -> float:
+    return s * (a + s * s * (b + c * s * s))
+
+
+def _critical_points(a: float, b: float, c: float, m: float) -> list[float]:
+    """The ``s`` in (0, m) where ``p'(s) = a + 3b s^2 + 5c s^4`` is zero."""
+    if c != 0.0:
+        disc = 9 * b * b - 20 * a * c
+        roots = [] if disc < 0 else [(-3 * b + r) / (10 * c) for r in (math.sqrt(disc), -math.sqrt(disc))]
+    else:
+        roots = [] if b == 0.0 else [-a / (3 * b)]
+    return [math.sqrt(u) for u in roots if 0.0 < u < m * m]
 
 
 def as_schedule(
@@ -162,6 +226,11 @@ def as_schedule(
         if not all(is_finite_number(v) for v in item):
             raise ValueError(bad_step)
         a, b, c = (float(v) for v in item)
+        if not max(abs(a), abs(b), abs(c)) <= COEFFICIENT_LIMIT:
+            raise ValueError(
+                f"Invalid {name}={coefficients!r}: every coefficient must be within [-{COEFFICIENT_LIMIT:g}, "
+                f"{COEFFICIENT_LIMIT:g}] (the published presets' largest is 22.5), got {(a, b, c)!r}"
+            )
         schedule.append((a, b, c))
     if not schedule:
         raise ValueError(f"Invalid {name}=[]: need at least one (a, b, c) triple")

@@ -265,9 +265,36 @@ def cautious_decay_(
     direction, AdamW's ``m_hat / (sqrt(v_hat) + eps)`` (same sign as ``exp_avg``). Where ``u`` and
     ``W`` have opposite signs the update already moves ``W`` toward zero and decay is skipped;
     elsewhere (including zeros) the decay is the plain one, bit for bit. Signs are compared, not
-    the product, so no underflow changes the decision.
+    the product, so no underflow changes the decision. A NaN in ``u`` makes ``W`` NaN (the update
+    subtracted next does so anyway).
+
+    Foreach over the whole list: ``keep = min(sign(u)*sign(W) + 1, 1)`` (1 where the signs agree
+    or either is zero, else 0), the multiplier ``keep*factor + (1 - keep)`` (one term is exactly 0,
+    so it is exactly ``factor`` or 1), then ``W *= multiplier``: ``W*factor`` where decayed, as the
+    plain decay computes it, and ``W*1 = W`` elsewhere. The multiplier is held in the dtype the
+    plain ``W * factor`` computes in (float64 for float64 weights, else float32): the same bits
+    as the per-tensor ``where(same, W * factor, W)`` for float32 and float64 weights (what the
+    optimizer passes), and for bf16 ones on CPU.
     """
+    if not params:
+        return
     factor = 1.0 - lr * weight_decay
-    for w, u in zip(params, updates, strict=True):
-        same = torch.sign(u) * torch.sign(w) >= 0
-        w.copy_(torch.where(same, w * factor, w))
+    signs = torch._foreach_sign(list(params))
+    torch._foreach_mul_(signs, torch._foreach_sign(list(updates)))
+    torch._foreach_add_(signs, 1.0)
+    torch._foreach_clamp_max_(signs, 1.0)
+    dtypes = [_multiplier_dtype(w, factor) for w in params]
+    keep = [k if k.dtype == d else k.to(d) for k, d in zip(signs, dtypes, strict=True)]
+    rest = torch._foreach_neg(keep)
+    torch._foreach_add_(rest, 1.0)
+    torch._foreach_mul_(keep, factor)
+    torch._foreach_add_(keep, rest)
+    torch._foreach_mul_(list(params), keep)
+
+
+def _multiplier_dtype(w: Tensor, factor: float | Tensor) -> torch.dtype:
+    """The dtype ``w * factor`` computes in: float64 where the product's dtype is float64, else
+    float32 (bf16 and fp16 products compute in float32 with the factor unrounded on CPU; a 0-dim
+    ``factor`` promotes only with a 0-dim ``w``)."""
+    common = w.dtype if not isinstance(factor, Tensor) or w.dim() > 0 else torch.promote_types(w.dtype, factor.dtype)
+    return torch.float64 if common == torch.float64 else torch.float32

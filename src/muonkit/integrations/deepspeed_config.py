@@ -33,12 +33,16 @@ key                     default             meaning
 ``normuon_beta2``       0.95                NorMuon's row second-moment decay
 ``normuon_eps``         1e-8                NorMuon's eps (its groups' eps, also for Newton-Schulz)
 ``cautious_wd``         false               decay only where update and weight agree in sign
+``ns_compile``          false               run Newton-Schulz through torch.compile (fullgraph)
 ``split_qkv``           false               orthogonalize fused QKV projections as Q, K, V blocks
 ``rules``               []                  routing overrides: [[pattern, "muon"|"adamw"], ...]
 ======================  ==================  ====================================================
 
 The routing is :func:`muonkit.param_groups` (by module structure, printable with
 :func:`muonkit.explain`); ``rules`` are regular expressions on parameter names, checked first.
+That is every group key of :class:`muonkit.HybridMuon` but ``layout`` and ``split_sizes``, which
+routing decides per tensor (``split_qkv``, ``rules``); those, ``capturable`` (single-device only),
+``process_group`` and ``strategy`` (DeepSpeed's) are refused with the reason.
 """
 
 from __future__ import annotations
@@ -71,6 +75,19 @@ _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.
 _DTYPES |= {"float64": torch.float64, "fp64": torch.float64}
 
 
+_NOT_HERE = {
+    "learning_rate": "HF's learning_rate is AdamW's lr: adamw_lr; Muon's is lr",
+    "layout": "layout: routing decides each tensor's (muonkit.explain shows it); override with rules",
+    "split_sizes": "split_sizes: routing decides them; split_qkv cuts fused QKV projections into Q, K, V",
+    "capturable": "capturable: a single-device option; DeepSpeed steps ZeRO partitions with collectives",
+    "process_group": "process_group: DeepSpeed's",
+    "strategy": "strategy: DeepSpeed's",
+    "algorithm": "algorithm: the hidden matrices' is muon_algorithm ('muon' or 'normuon'), the rest's AdamW",
+    "beta2": "beta2: NorMuon's is normuon_beta2, AdamW's is betas[1]",
+}
+"""Why a :class:`muonkit.HybridMuon` keyword or group key is not an ``optimizer.params`` key."""
+
+
 class UnsupportedConfiguration(ValueError):
     """A DeepSpeed configuration muonkit cannot serve correctly; raised before training starts."""
 
@@ -97,6 +114,7 @@ class MuonkitOptions:
     normuon_beta2: float = DEFAULTS.normuon_beta2
     normuon_eps: float = DEFAULTS.normuon_eps
     cautious_wd: bool = DEFAULTS.cautious_wd
+    ns_compile: bool = DEFAULTS.ns_compile
     muon_algorithm: str = "muon"
     split_qkv: bool = False
     rules: Any = field(default_factory=list)
@@ -107,7 +125,8 @@ class MuonkitOptions:
         known = [f.name for f in fields(cls)]
         unknown = sorted(set(params) - set(known))
         if unknown:
-            hint = " (HF's learning_rate is AdamW's lr: adamw_lr; Muon's is lr)" if "learning_rate" in unknown else ""
+            hints = [_NOT_HERE[k] for k in unknown if k in _NOT_HERE]
+            hint = f" ({'; '.join(hints)})" if hints else ""
             raise ValueError(f"Invalid muonkit optimizer params {unknown}{hint}: the allowed keys are {known}")
         auto = sorted(k for k, v in params.items() if isinstance(v, str) and v == "auto")
         if auto:
@@ -153,6 +172,7 @@ class MuonkitOptions:
             "normuon_beta2": self.normuon_beta2,
             "normuon_eps": self.normuon_eps,
             "cautious_wd": self.cautious_wd,
+            "ns_compile": self.ns_compile,
         }
 
 
