@@ -38,7 +38,7 @@ import muonkit
 from muonkit.distributed import SingleDeviceStrategy, collectives
 from muonkit.distributed.zero import ZeroStrategy
 from muonkit.distributed.zero_layout import contiguous_layout
-from muonkit_bench.op_counts import count_ops, step_tensors
+from muonkit_bench.op_counts import as_on_an_accelerator, count_ops, step_tensors
 
 LAYOUTS = ("ddp", "fsdp", "zero")
 ZERO_SHAPES = [(6, 5), (0, 8), (4, 4), (8, 0), (3, 4)]  # straddling and zero-size params
@@ -194,6 +194,34 @@ def a_step_reads_the_device_once_and_unchecked_never(ctx: Context) -> None:
                     continue
                 counts = count_ops(opt.step, host=functools.partial(step_tensors, opt))
                 assert counts.reads == reads, (layout, nonfinite, step, counts.reads_by_op)
+
+
+@check(2, 4)
+def the_masked_step_of_an_accelerator_equals_its_unchecked_step_and_skips_on_every_rank(ctx: Context) -> None:
+    """Counted as on a GPU (every commit masked by the gradients' verdict, on the device): the same
+    params as the unchecked step bit for bit, and an inf on the last rank only skips the step on
+    every rank with nothing changed."""
+    for layout in LAYOUTS:
+        results = []
+        for nonfinite in ("unchecked", "skip"):
+            params, opt = _build(layout, ctx, nonfinite=nonfinite)
+            with as_on_an_accelerator():
+                for step in range(3):
+                    _grads(layout, params, step)
+                    opt.step()
+                if nonfinite == "skip":
+                    _grads(layout, params, 3)
+                    if ctx.rank == ctx.world_size - 1:  # this rank's own part (a DTensor op would be collective)
+                        local = [
+                            getattr(p.grad, "to_local", lambda g=p.grad: g)() for p in params if p.grad is not None
+                        ]
+                        next(g for g in local if g.numel() > 0).view(-1)[0] = math.inf
+                    before = [full(p.detach()).clone() for p in params]
+                    opt.step()
+                    assert opt.skipped_steps == 1, (layout, opt.skipped_steps)
+                    assert all(torch.equal(b, full(p.detach())) for b, p in zip(before, params, strict=True)), layout
+            results.append([full(p.detach()).clone() for p in params])
+        assert all(torch.equal(a, b) for a, b in zip(*results, strict=True)), layout
 
 
 @check(2, 4)
