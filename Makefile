@@ -22,8 +22,8 @@ $(VENV)/.installed: pyproject.toml bench/pyproject.toml Makefile
 	touch $@
 
 lint: setup
-	$(BIN)/ruff check src tests
-	$(BIN)/ruff format --check src tests
+	$(BIN)/ruff check src tests tools
+	$(BIN)/ruff format --check src tests tools
 	$(BIN)/mypy
 
 test: setup lint

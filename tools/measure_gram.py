@@ -8,8 +8,8 @@ the Gram iteration without any restart, and prints per variant the worst polar d
 the worst distance to the plain iteration's output. ``--gpt2`` adds single GPT-2 shapes (with
 timings: the fastest of ``--repeats`` interleaved runs). Run::
 
-    PYTHONPATH=src:tests OMP_NUM_THREADS=1 python tests/measure_gram.py --shape 128x512
-    PYTHONPATH=src:tests OMP_NUM_THREADS=1 python tests/measure_gram.py --gpt2 --dtypes float32
+    PYTHONPATH=src:tests OMP_NUM_THREADS=1 python tools/measure_gram.py --shape 128x512
+    PYTHONPATH=src:tests OMP_NUM_THREADS=1 python tools/measure_gram.py --gpt2 --dtypes float32
 """
 
 from __future__ import annotations
