@@ -144,35 +144,22 @@ class Collectives:
         self._values = (name, values.detach())
 
     def all_ranks_true(self, flags: Tensor) -> list[bool]:
-        """Whether each of a few booleans is true on every rank (one tiny all_reduce MIN, one read).
-
-        Values given to :meth:`expect_equal` join the same vector, as the words of
-        :func:`~muonkit.distributed.agreement.value_words` and their negations: the minimum of
-        ``-x`` is minus the maximum of ``x``, so a word differs somewhere exactly when its two
-        minima do not cancel. They raise ``ValueError`` on every rank.
-        """
-        device = flag_device(self.group)
-        t = flags.detach().to(device=device, dtype=torch.int64).reshape(-1)
-        named = self._values
-        self._values = None
-        if named is None:
-            t = t.clone()
-        else:
-            words = agreement.value_words(named[1]).to(device)
-            t = torch.cat([t, words, -words])
-        self.all_reduce(t, op=dist.ReduceOp.MIN)
-        got = t.tolist()  # the step's one blocking read
-        count = flags.numel()
-        if named is not None:
-            _check_equal(named[0], got[count:], late=False)
-        return [bool(x) for x in got[:count]]
+        """Whether each of a few booleans is true on every rank: :meth:`reduce_flags`, read (the
+        step's one blocking read); values given to :meth:`expect_equal` that differ raise
+        ``ValueError`` on every rank."""
+        got = self.reduce_flags(flags).tolist()
+        if not got[-1]:
+            raise self.values_error()
+        return [bool(x) for x in got[:-1]]
 
     def reduce_flags(self, flags: Tensor) -> Tensor:
         """Each of a few booleans AND-ed over every rank, then whether the :meth:`expect_equal` values
         agree: one tiny all_reduce MIN where ``flags`` live (where the backend reduces them), no read.
 
-        The result is a bool vector on that device, ``flags.numel() + 1`` long; a false last flag
-        means :meth:`values_error`.
+        The values go as the words of :func:`~muonkit.distributed.agreement.value_words` and their
+        negations: the minimum of ``-x`` is minus the maximum of ``x``, so a word differs somewhere
+        exactly when its two minima do not cancel. The result is a bool vector on that device,
+        ``flags.numel() + 1`` long; a false last flag means :meth:`values_error`.
         """
         device = flags.device if flags.device.type in _backend_devices(self.group) else flag_device(self.group)
         t = flags.detach().to(device=device, dtype=torch.int64).reshape(-1)
