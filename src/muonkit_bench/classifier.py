@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from muonkit_bench.model import GPT
+from muonkit_bench.train import resolve_autocast
 
 PAD = 0
 
@@ -92,6 +93,7 @@ class FinetuneConfig:
     seed: int = 0
     device: str = "cpu"
     autocast: bool = True
+    """bf16 autocast where bf16 matrix products are fast on ``device`` (else fp32); False: never."""
 
 
 def build_optimizer(model: nn.Module, config: FinetuneConfig) -> torch.optim.Optimizer:
@@ -115,7 +117,9 @@ def _schedule(step: int, *, total: int, warmup: int) -> float:
 
 
 def _autocast(config: FinetuneConfig) -> Any:
-    return torch.autocast(torch.device(config.device).type, dtype=torch.bfloat16, enabled=config.autocast)
+    """bf16 autocast where bf16 matrix products are fast (:func:`~muonkit_bench.train.resolve_autocast`)."""
+    enabled = config.autocast and resolve_autocast("auto", config.device) == "bf16"
+    return torch.autocast(torch.device(config.device).type, dtype=torch.bfloat16, enabled=enabled)
 
 
 @torch.no_grad()

