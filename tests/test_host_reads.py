@@ -19,25 +19,14 @@ import torch
 
 import muonkit
 from muonkit.distributed import SingleDeviceStrategy
-from muonkit_bench.op_counts import OpCounter, as_on_an_accelerator, count_ops, step_tensors
-
-# GPT-2's hidden matrices (c_attn, attn c_proj, c_fc, mlp c_proj as Linear weights) at 1/8 of the
-# size, chunked as the full-size ones are (the default 2**22-element chunks, over 8**2).
-SCALE = 8
-GPT2 = [
-    (2304 // SCALE, 768 // SCALE),
-    (768 // SCALE, 768 // SCALE),
-    (3072 // SCALE, 768 // SCALE),
-    (768 // SCALE, 3072 // SCALE),
-]
-
-
-def _params(layers: int) -> list[torch.nn.Parameter]:
-    g = torch.Generator().manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(s, generator=g) * 0.02) for s in GPT2 * layers]
-    for p in params:
-        p.grad = torch.randn(p.shape, generator=g) * 1e-2
-    return params
+from muonkit_bench.op_counts import (
+    GPT2_SCALE,
+    OpCounter,
+    as_on_an_accelerator,
+    count_ops,
+    gpt2_hidden_params,
+    step_tensors,
+)
 
 
 def _hybrid(nonfinite: str = "skip") -> tuple[torch.nn.Module, muonkit.HybridMuon]:
@@ -147,7 +136,7 @@ def test_finite_gradients_of_any_scale_step_alike_on_both_paths(accelerator: boo
 
 
 def _calls(build: object, layers: int = 6) -> int:
-    params = _params(layers)
+    params = gpt2_hidden_params(layers)
     opt = build(params)  # type: ignore[operator]
     opt.step()
     return count_ops(opt.step, host=lambda: step_tensors(opt)).calls
@@ -172,7 +161,7 @@ def test_no_more_aten_calls_than_torch_muon_on_gpt2_shapes(
     chunks). A checked step commits each chunk masked by the device verdict (a few more calls per
     chunk and per tensor), so CPU-sized chunks are not an accelerator's configuration there."""
     budget = 80 * 2**30 // 256 if nonfinite != "unchecked" else 2**22
-    strategy = SingleDeviceStrategy(max_chunk_elements=budget // SCALE**2)
+    strategy = SingleDeviceStrategy(max_chunk_elements=budget // GPT2_SCALE**2)
     ours = _calls(
         lambda ps: muonkit.Muon(
             ps, lr=0.02, nonfinite=nonfinite, ns_dtype=ns_dtype, ns_method=ns_method, strategy=strategy

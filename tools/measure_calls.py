@@ -20,16 +20,9 @@ import torch
 
 import muonkit
 from muonkit.distributed import SingleDeviceStrategy
-from muonkit_bench.op_counts import OpCounts, count_ops, step_tensors
+from muonkit_bench.op_counts import GPT2_SCALE, OpCounts, count_ops, gpt2_hidden_params, step_tensors
 
-SCALE = 8
-SHAPES = [
-    (2304 // SCALE, 768 // SCALE),
-    (768 // SCALE, 768 // SCALE),
-    (3072 // SCALE, 768 // SCALE),
-    (768 // SCALE, 3072 // SCALE),
-]
-CHUNKS = {"cpu": 2**22 // SCALE**2, "gpu": 80 * 2**30 // 256 // SCALE**2}
+CHUNKS = {"cpu": 2**22 // GPT2_SCALE**2, "gpu": 80 * 2**30 // 256 // GPT2_SCALE**2}
 NS = {
     "fp32-gram": (torch.float32, "gram"),
     "fp32-ns": (torch.float32, "newton_schulz"),
@@ -37,16 +30,8 @@ NS = {
 }
 
 
-def params(layers: int) -> list[torch.nn.Parameter]:
-    g = torch.Generator().manual_seed(0)
-    out = [torch.nn.Parameter(torch.randn(s, generator=g) * 0.02) for s in SHAPES * layers]
-    for p in out:
-        p.grad = torch.randn(p.shape, generator=g) * 1e-2
-    return out
-
-
 def counted(build: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer], layers: int) -> OpCounts:
-    ps = params(layers)
+    ps = gpt2_hidden_params(layers)
     opt = build(ps)
     opt.step()
     return count_ops(opt.step, host=lambda: step_tensors(opt))

@@ -127,11 +127,13 @@ class HybridMuon(Optimizer):
         nonfinite: what a non-finite gradient or Muon update (direction after orthogonalization,
             e.g. from a diverging Newton-Schulz schedule) does. ``"skip"`` (default): the whole
             step is skipped on every group and rank, a warning is logged and ``skipped_steps``
-            counts it; costs one norm pass over the gradients and directions, one blocking read
-            of the device per step (the verdict, read after all of the step's directions are
-            launched; on the CPU reads wait for nothing; distributed strategies check that ranks
-            agree on the host and read nothing more) and holding every Muon direction until
-            the verdict (one fp32 copy of the local Muon params). ``"raise"``:
+            counts it; costs one norm pass over the gradients and directions and one blocking
+            read of the device per step (the verdict, read after all of the step's Muon updates
+            are launched; on the CPU reads wait for nothing; distributed strategies check that
+            ranks agree on the host and read nothing more). With a preset's schedule each chunk
+            is applied as it is computed, masked on the device by the gradients' verdict; with
+            a custom ``ns_coefficients`` schedule (which may diverge) every Muon direction is
+            held until the verdict (one fp32 copy of the local Muon params). ``"raise"``:
             ``FloatingPointError`` before anything changes. ``"unchecked"``: no check and no
             read; each chunk is applied as soon as it is computed.
         capturable: a step with no host read, for ``torch.compile`` of the whole step and CUDA
@@ -520,24 +522,20 @@ class HybridMuon(Optimizer):
         device as the mask of every Muon commit, and :meth:`_stream_outcome` reads it.
         """
         grads = [self.strategy.local(cast(Tensor, p.grad)) for params in work for p in params]
-        stream = _Stream()
         if not grads:
-            return stream
-        stream.start = self.strategy.reduce_flags(_finite_flags([grads]))  # [gradients finite, values agree]
-        if host_read_waits(stream.start.device):
-            stream.mask = stream.start.all()
-            stream.finite = torch.ones((), dtype=torch.bool, device=stream.start.device)
-            return stream
-        grads_ok, values_ok = stream.start.tolist()
-        stream.start, stream.bad_chunks = None, 0
+            return _Stream()
+        start = self.strategy.reduce_flags(_finite_flags([grads]))  # [gradients finite, values agree]
+        if host_read_waits(start.device):
+            return _Stream(start=start, mask=start.all(), finite=torch.ones((), dtype=torch.bool, device=start.device))
+        grads_ok, values_ok = start.tolist()
         if not values_ok:
             raise self.strategy.values_error()
-        return stream if self._verdict(grads_ok, True) else None
+        return _Stream(bad_chunks=0) if self._verdict(grads_ok, True) else None
 
     def _stream_outcome(self, stream: _Stream) -> bool:
         """Read the streamed step's verdict (its one blocking read, after every Muon update is
         launched); undo a skipped step's new states; whether to go on with AdamW."""
-        if stream.start is None and stream.finite is None:
+        if stream.mask is None:  # decided on the host
             if stream.bad_chunks is None:  # no gradients: nothing was checked, nothing to agree on
                 return True
             finite = self.strategy.reduce_flags(torch.tensor([stream.bad_chunks == 0])).tolist()[0]  # free read

@@ -42,7 +42,16 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["HOST_READ_OPS", "OpCounter", "OpCounts", "as_on_an_accelerator", "count_ops", "step_tensors"]
+__all__ = [
+    "GPT2_SCALE",
+    "HOST_READ_OPS",
+    "OpCounter",
+    "OpCounts",
+    "as_on_an_accelerator",
+    "count_ops",
+    "gpt2_hidden_params",
+    "step_tensors",
+]
 
 HOST_READ_OPS = frozenset(
     {
@@ -214,3 +223,24 @@ def step_tensors(optimizer: Any) -> list[torch.Tensor]:
     host = [s for s in steps if isinstance(s, torch.Tensor) and s.device.type == "cpu"]
     strategy_host = getattr(getattr(optimizer, "strategy", None), "host_tensors", None)
     return host + list(strategy_host()) if callable(strategy_host) else host
+
+
+GPT2_SCALE = 8
+"""How much smaller than GPT-2's the matrices of :func:`gpt2_hidden_params` are, per side."""
+
+
+def gpt2_hidden_params(layers: int) -> list[torch.nn.Parameter]:
+    """The matrices calls per step are counted on: GPT-2's four hidden matrices per block (c_attn
+    2304x768, attn c_proj 768x768, c_fc 3072x768, mlp c_proj 768x3072, as Linear weights) at
+    1/:data:`GPT2_SCALE` of each side, fp32, with gradients; seeded, the same on every call.
+
+    What decides the count is the chunking, so a count on them emulates the full-size chunks with
+    budgets divided by ``GPT2_SCALE**2`` (the 2^22-element CPU chunks, 1/64 of a GPU's memory).
+    """
+    n = GPT2_SCALE
+    shapes = [(2304 // n, 768 // n), (768 // n, 768 // n), (3072 // n, 768 // n), (768 // n, 3072 // n)]
+    g = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s, generator=g) * 0.02) for s in shapes * layers]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g) * 1e-2
+    return params

@@ -11,8 +11,8 @@ import torch.distributed as dist
 
 import muonkit
 from muonkit.config import group_config
-from muonkit.distributed.agreement import Setting, check_agreement, encode, settings_of, value_words
-from muonkit.distributed.collectives import _check_equal, flag_device
+from muonkit.distributed.agreement import Setting, check_agreement, encode, settings_of, value_vector, values_agree
+from muonkit.distributed.collectives import _values_differ, flag_device
 
 
 @pytest.mark.parametrize(
@@ -73,27 +73,23 @@ def test_differing_gradients_name_the_positions() -> None:
         check_agreement(reduced, settings, [True, True])
 
 
-def _min_reduce(vectors: list[list[int]]) -> list[int]:
-    return torch.tensor(vectors).amin(0).tolist()  # what all_reduce(MIN) leaves on every rank
-
-
-def _value_vector(values: torch.Tensor) -> list[int]:
-    words = value_words(values)
-    return torch.cat([words, -words]).tolist()
+def _min_reduce(vectors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.stack(vectors).amin(0)  # what all_reduce(MIN) leaves on every rank
 
 
 def test_device_values_every_rank_must_share_are_checked_bit_for_bit() -> None:
     """A fingerprint of gradients (what :meth:`Collectives.expect_equal` sends with the verdict or
-    one step late): equal on every rank passes, a difference in the last bit raises, naming it."""
+    one step late): equal on every rank passes, a difference in the last bit is caught; the error
+    names the values, and says when a step without a verdict was applied."""
     sums = torch.tensor([1.5, -2.25e-30, 0.0], dtype=torch.float64)
-    _check_equal("gradients of the plain params", _min_reduce([_value_vector(sums)] * 3), late=False)
+    assert values_agree(_min_reduce([value_vector(sums)] * 3))
     other = sums.clone()
     other[1] = torch.nextafter(other[1], torch.tensor(0.0, dtype=torch.float64))
-    reduced = _min_reduce([_value_vector(sums), _value_vector(other)])
+    assert not values_agree(_min_reduce([value_vector(sums), value_vector(other)]))
     with pytest.raises(ValueError, match=r"gradients of the plain params differ across ranks\. Every rank"):
-        _check_equal("gradients of the plain params", reduced, late=False)
+        raise _values_differ("gradients of the plain params", late=False)
     with pytest.raises(ValueError, match=r"differ across ranks at the previous step .*that step was applied"):
-        _check_equal("gradients of the plain params", reduced, late=True)
+        raise _values_differ("gradients of the plain params", late=True)
 
 
 def test_a_steady_state_step_reuses_its_plan_without_building_jobs(one_rank: None) -> None:

@@ -24,7 +24,7 @@ still issue the same collective and get the "param groups differ" error instead 
 All of it is known on the host, so the vector is built and reduced there (over
 :attr:`~muonkit.distributed.collectives.Collectives.host_group`: the group itself, or a gloo
 group beside an NCCL one), and reading it makes the host wait for no device work. Device values
-ranks must share (:func:`value_words`) are checked with the step's non-finite verdict instead.
+ranks must share (:func:`value_vector`) are checked with the step's non-finite verdict instead.
 
 Every rank sees the same reduced vector, so every rank raises the same error (naming the setting
 and its value on that rank) and none is left waiting in a later collective. Lr schedulers that
@@ -96,6 +96,21 @@ def value_words(values: torch.Tensor) -> torch.Tensor:
     are (no host read): the low and high 32 bits of each value's float64 bit pattern."""
     bits = values.detach().to(torch.float64).reshape(-1).view(torch.int64)
     return torch.cat([bits & 0xFFFFFFFF, (bits >> 32) & 0xFFFFFFFF])
+
+
+def value_vector(values: torch.Tensor) -> torch.Tensor:
+    """The words of ``values`` (:func:`value_words`) and their negations, for an ``all_reduce(MIN)``:
+    the minimum of ``-x`` is minus the maximum of ``x``, so after it a word differs somewhere
+    exactly when its two minima do not cancel (:func:`values_agree`)."""
+    words = value_words(values)
+    return torch.cat([words, -words])
+
+
+def values_agree(minima: torch.Tensor) -> torch.Tensor:
+    """Whether every rank held the same values, from the MIN-reduced :func:`value_vector`: a 0-dim
+    bool where ``minima`` are (no read)."""
+    half = minima.numel() // 2
+    return (minima[:half] + minima[half:]).eq(0).all()
 
 
 def check_agreement(reduced: torch.Tensor, settings: Sequence[Setting], has_grad: Sequence[bool]) -> None:

@@ -156,12 +156,11 @@ class Collectives:
         """Each of a few booleans AND-ed over every rank, then whether the :meth:`expect_equal` values
         agree: one tiny all_reduce MIN where ``flags`` live (where the backend reduces them), no read.
 
-        The values go as the words of :func:`~muonkit.distributed.agreement.value_words` and their
-        negations: the minimum of ``-x`` is minus the maximum of ``x``, so a word differs somewhere
-        exactly when its two minima do not cancel. The result is a bool vector on that device,
-        ``flags.numel() + 1`` long; a false last flag means :meth:`values_error`.
+        The values go as :func:`~muonkit.distributed.agreement.value_vector` (their words and the
+        words negated). The result is a bool vector on that device, ``flags.numel() + 1`` long; a
+        false last flag means :meth:`values_error`.
         """
-        device = flags.device if flags.device.type in _backend_devices(self.group) else flag_device(self.group)
+        device = self._reduce_device(flags)
         t = flags.detach().to(device=device, dtype=torch.int64).reshape(-1)
         count = t.numel()
         named = self._values
@@ -169,16 +168,16 @@ class Collectives:
         if named is None:
             t = t.clone()
         else:
-            words = agreement.value_words(named[1]).to(device)
-            t = torch.cat([t, words, -words])
+            t = torch.cat([t, agreement.value_vector(named[1]).to(device)])
             self._named = named[0]
         self.all_reduce(t, op=dist.ReduceOp.MIN)
-        if named is None:
-            equal = torch.ones(1, dtype=torch.bool, device=device)
-        else:
-            half = (t.numel() - count) // 2
-            equal = (t[count : count + half] + t[count + half :]).eq(0).all().reshape(1)
-        return torch.cat([t[:count].bool(), equal])
+        equal = torch.ones((), dtype=torch.bool, device=device) if named is None else agreement.values_agree(t[count:])
+        return torch.cat([t[:count].bool(), equal.reshape(1)])
+
+    def _reduce_device(self, t: Tensor) -> torch.device:
+        """Where to reduce ``t``: its own device where the backend reduces that device type, else
+        :func:`flag_device`."""
+        return t.device if t.device.type in _backend_devices(self.group) else flag_device(self.group)
 
     def values_error(self) -> Exception:
         """The error :meth:`reduce_flags`'s last flag stands for (values that differ across ranks)."""
@@ -204,22 +203,19 @@ class Collectives:
     def end_step(self) -> None:
         """After a step without a verdict: start the late check of its :meth:`expect_equal` values.
 
-        Their words are reduced where they are and copied to the host without waiting
-        (``non_blocking``, pinned memory, an event); the next step's :meth:`check_agreement` waits
-        for that event, which waits only for this step's work, never for what was launched since.
+        They are compared as in :meth:`reduce_flags` (no flags) where they are, and the result is
+        copied to the host without waiting (``non_blocking``, pinned memory, an event); the next
+        step's :meth:`check_agreement` waits for that event, which waits only for this step's
+        work, never for what was launched since.
         """
         if self._values is None:
             return
-        name, values = self._values
-        self._values = None
-        words = agreement.value_words(values)
-        device = values.device if values.device.type in _backend_devices(self.group) else flag_device(self.group)
-        t = torch.cat([words, -words]).to(device)
-        self.all_reduce(t, op=dist.ReduceOp.MIN)
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
-        host.copy_(t, non_blocking=True)
+        name = self._values[0]
+        equal = self.reduce_flags(self._values[1].new_empty(0, dtype=torch.bool))
+        host = torch.empty(equal.shape, dtype=equal.dtype, pin_memory=equal.is_cuda)
+        host.copy_(equal, non_blocking=True)
         event = None
-        if t.is_cuda:
+        if equal.is_cuda:
             event = torch.cuda.Event()
             event.record()
         self._late = (name, host, event)
@@ -232,20 +228,14 @@ class Collectives:
         self._late = None
         if event is not None:
             event.synchronize()
-        _check_equal(name, host.tolist(), late=True)
+        if not all(host.tolist()):
+            raise _values_differ(name, late=True)
 
 
 def _backend_devices(group: Any) -> list[str]:
     """The device types ``group``'s backend reduces (``["cpu", "cuda"]`` for ``"cpu:gloo,cuda:nccl"``)."""
     config = str(dist.get_backend_config(group))
     return [entry.split(":", 1)[0].strip() for entry in config.split(",") if ":" in entry]
-
-
-def _check_equal(name: str, minima: list[int], *, late: bool) -> None:
-    """Raise unless the MIN-reduced words and negated words of :meth:`Collectives.expect_equal` cancel."""
-    half = len(minima) // 2
-    if not all(minima[k] + minima[half + k] == 0 for k in range(half)):
-        raise _values_differ(name, late=late)
 
 
 def _values_differ(name: str, *, late: bool) -> ValueError:
