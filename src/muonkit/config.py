@@ -18,7 +18,7 @@ from muonkit.functional.coefficients import KELLER, as_schedule, resolve_preset
 from muonkit.functional.lr_scaling import ADJUST_LR_CHOICES
 from muonkit.functional.matrices import LAYOUT_KINDS, MatrixLayout
 from muonkit.functional.muon import NSOptions
-from muonkit.functional.orthogonalize import METHODS, orthogonalization_flops
+from muonkit.functional.orthogonalize import METHODS, default_compute_dtype, orthogonalization_flops
 from muonkit.functional.validation import flag as _bool
 from muonkit.functional.validation import nonneg as _nonneg
 from muonkit.functional.validation import ns_dtype as _ns_dtype
@@ -147,9 +147,16 @@ class MuonConfig:
             self.ns_compile,
         )
 
-    def flops(self, rows: int, cols: int) -> int:
-        """Matrix-product FLOPs of orthogonalizing one ``rows x cols`` matrix with these settings."""
-        return orthogonalization_flops(rows, cols, self.steps, self.ns_method, self.ns_dtype)
+    def flops(self, rows: int, cols: int, *, device: torch.device | str | None = None) -> int:
+        """Matrix-product FLOPs of orthogonalizing one ``rows x cols`` matrix with these settings.
+
+        ``device``: where it runs, which decides the compute dtype when ``ns_dtype`` is None (bf16
+        where fast: always the plain iteration; fp32: Gram on wide matrices); None counts fp32.
+        """
+        dtype = self.ns_dtype
+        if dtype is None and device is not None:
+            dtype = default_compute_dtype(device)
+        return orthogonalization_flops(rows, cols, self.steps, self.ns_method, dtype)
 
     def tensor_flops(self, shape: Sequence[int]) -> int:
         """FLOPs of orthogonalizing every matrix of a tensor of this (whole) shape under ``layout``."""

@@ -12,6 +12,8 @@ def environment() -> dict[str, Any]:
     """Versions, device, threads, load and date: what a reader needs to weigh a number."""
     import torch
 
+    from muonkit.functional.orthogonalize import default_compute_dtype
+
     info: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "python": platform.python_version(),
@@ -22,6 +24,7 @@ def environment() -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(),
         "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "default_ns_dtype": str(default_compute_dtype("cuda" if torch.cuda.is_available() else "cpu")),
     }
     for name in ("transformers", "deepspeed"):
         info[name] = _version(name)

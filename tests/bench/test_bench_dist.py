@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from muonkit.functional import orthogonalization_flops
 from muonkit_bench.model import GPT, GPTConfig
@@ -34,7 +35,8 @@ def test_bench_dist_runs_and_counts_consistently(tmp_path: Path) -> None:
     rows = report["runs"]["2"]["rows"]
     model = GPT(GPTConfig(vocab_size=128, block_size=16, n_layer=1, n_head=2, n_embd=64))
     hidden = [p for name, p in model.named_parameters() if name.startswith("blocks") and p.ndim == 2]
-    single = sum(orthogonalization_flops(p.shape[0], p.shape[1], 5, "gram") for p in hidden)  # muonkit's default
+    ns_dtype = _ns_dtype(report)  # the run's default: bf16 where fast (the plain iteration), else fp32 (Gram)
+    single = sum(orthogonalization_flops(p.shape[0], p.shape[1], 5, "gram", ns_dtype) for p in hidden)
     plain = sum(orthogonalization_flops(p.shape[0], p.shape[1], 5) for p in hidden)  # torch.optim.Muon
     for layout in ("ddp", "fsdp2"):
         for rank in rows[f"{layout}/muonkit"]["per_rank"]:
@@ -50,7 +52,13 @@ def test_bench_dist_runs_and_counts_consistently(tmp_path: Path) -> None:
     assert rows["fsdp2/torch"]["collectives"]["max"] > 0  # DTensor's implicit redistributions, counted
 
 
-def _single_flops(layout: str) -> int:
+def _ns_dtype(report: dict) -> torch.dtype:
+    """The default Newton-Schulz dtype the benchmark ran with (it depends on the CPU; this test
+    process forces fp32, see conftest.py)."""
+    return getattr(torch, report["environment"]["default_ns_dtype"].removeprefix("torch."))
+
+
+def _single_flops(layout: str, ns_dtype: torch.dtype) -> int:
     """Newton-Schulz FLOPs of one single-device HybridMuon step (Gram, 5 steps) on the layout's model."""
     import argparse
     import math
@@ -61,7 +69,7 @@ def _single_flops(layout: str) -> int:
     sizes = argparse.Namespace(n_layer=1, n_embd=64, n_head=2, vocab=128, seq=16)
     groups = muonkit.param_groups(build_model(layout, sizes))
     shapes = [tuple(p.shape) for g in groups if g["algorithm"] == "muon" for p in g["params"]]
-    return sum(math.prod(s[:-2]) * orthogonalization_flops(s[-2], s[-1], 5, "gram") for s in shapes)
+    return sum(math.prod(s[:-2]) * orthogonalization_flops(s[-2], s[-1], 5, "gram", ns_dtype) for s in shapes)
 
 
 def test_bench_dist_layouts_on_meshes(tmp_path: Path) -> None:
@@ -74,7 +82,8 @@ def test_bench_dist_layouts_on_meshes(tmp_path: Path) -> None:
     for title in ("HSDP", "FSDP2-TP", "EP"):
         assert f"\n{title}: optimizer step only" in done.stdout
     assert "DDP: optimizer" not in done.stdout and "vs 1-device" in done.stdout
-    rows = json.loads((tmp_path / "dist.json").read_text())["runs"]["4"]["rows"]
+    report = json.loads((tmp_path / "dist.json").read_text())
+    rows, ns_dtype = report["runs"]["4"]["rows"], _ns_dtype(report)
     assert set(rows) == {"hsdp/muonkit", "hsdp/torch", "hsdp/replicas", "fsdp2-tp/muonkit", "fsdp2-tp/torch"} | {
         "ep/muonkit",
         "ep/torch",
@@ -91,7 +100,7 @@ def test_bench_dist_layouts_on_meshes(tmp_path: Path) -> None:
             "3-D on (dp=2, ep=2): (S(1), S(0))": 2,  # expert stacks: experts over ep, dim 1 over dp
         }
     # Newton-Schulz repeated in every replica: 2 replicas do the single-device work twice in total
-    replicas, single = rows["hsdp/replicas"], _single_flops("hsdp")
+    replicas, single = rows["hsdp/replicas"], _single_flops("hsdp", ns_dtype)
     assert replicas["flops"]["sum"] == 2 * single
     assert replicas["flops"]["max"] >= 2 * single // 4
     assert replicas["update_error"] < 1e-3  # same math as one device, only repeated
@@ -113,7 +122,7 @@ def test_bench_dist_layouts_on_meshes(tmp_path: Path) -> None:
         if "unsupported" in row:
             assert row["unsupported"].split(":")[0] in ("NotImplementedError", "ValueError"), row
             continue
-        assert row["flops"]["sum"] == _single_flops(layout), layout
+        assert row["flops"]["sum"] == _single_flops(layout, ns_dtype), layout
         assert row["update_error"] < 1e-3, layout
 
 

@@ -175,14 +175,19 @@ class Strategy(ABC):
         options = config.ns_options if options is None else options
         # Not counted in a compiled step: torch.compile would guard on the counters' values (Python
         # ints), which change every step, and recompile every step.
-        hook = None if torch.compiler.is_compiling() else functools.partial(self.count_batch, config=config)
+        device = wholes[0].device if wholes else None
+        hook = (
+            None if torch.compiler.is_compiling() else functools.partial(self.count_batch, config=config, device=device)
+        )
         if not config.normuon:
             return muon_directions(wholes, layouts, options, on_batch=hook), []
         if rows is None:
             raise ValueError("NorMuon directions need the row moments (rows=)")
         return normuon_directions(wholes, rows, layouts, options, beta2=config.beta2, eps=config.eps, on_batch=hook)
 
-    def count_batch(self, count: int, rows: int, cols: int, *, config: MuonConfig) -> None:
-        """Record one batched orthogonalization on this rank."""
+    def count_batch(
+        self, count: int, rows: int, cols: int, *, config: MuonConfig, device: torch.device | None = None
+    ) -> None:
+        """Record one batched orthogonalization on this rank (FLOPs of the dtype it runs in on ``device``)."""
         self.stats.matrices += count
-        self.stats.flops += count * config.flops(rows, cols)
+        self.stats.flops += count * config.flops(rows, cols, device=device)
