@@ -10,38 +10,37 @@ checkpoint of the previous format (values pickled in the ``.distcp`` files) is r
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import os
 import pickle
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata
-from torch.distributed.checkpoint.state_dict import get_state_dict
 
 import muonkit
+from crafted_checkpoints import (
+    TRUSTED_HINT,
+    Craft,
+    Payload,
+    data_file_outside,
+    metadata_nested_payload,
+    metadata_payload,
+    piece_payload,
+    piece_plain_pickle,
+    previous_format_save,
+    tensor_listed_as_pickled_value,
+    truncated_values,
+    values_edit,
+    values_payload,
+)
 from helpers import Tiny, assert_unchanged, frozen_state, tiny_loss
 from muonkit.distributed.checkpoint import load_checkpoint, save_checkpoint
 from muonkit.distributed.checkpoint_files import VALUES_FILE
 from muonkit.safe_load import UntrustedCheckpointError
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-TRUSTED_HINT = r"pass trusted=True to unpickle it"
-
-
-class Payload:
-    """Unpickling this creates the directory ``marker``: the proof that a loader ran it."""
-
-    def __init__(self, marker: Path) -> None:
-        self.marker = str(marker)
-
-    def __reduce__(self) -> tuple[Callable[..., Any], tuple[Any, ...]]:
-        return (os.mkdir, (self.marker,))
 
 
 def _build(seed: int = 0, **kwargs: Any) -> tuple[Tiny, muonkit.HybridMuon]:
@@ -66,14 +65,6 @@ def _same_run(a: tuple[Tiny, muonkit.HybridMuon], b: tuple[Tiny, muonkit.HybridM
     for (name, x), y in zip(a[0].named_parameters(), b[0].parameters(), strict=True):
         assert torch.equal(x, y), name
     assert_unchanged(b[1], frozen_state(a[1]))
-
-
-def _old_format_save(path: Path, model: Tiny, opt: muonkit.HybridMuon, **values: Any) -> None:
-    """What muonkit's save_checkpoint wrote until now: plain dcp.save, values pickled in .distcp."""
-    model_state, optim_state = get_state_dict(model, opt)
-    for key, value in values.items():
-        optim_state["param_groups"][0][key] = value  # type: ignore[index]
-    dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(path))
 
 
 @pytest.fixture
@@ -142,7 +133,7 @@ def test_a_value_without_a_json_form_is_refused_before_anything_is_written(tmp_p
 def test_previous_format_is_refused_by_default_and_resumes_bit_exactly_when_trusted(tmp_path: Path) -> None:
     model, opt = _build()
     _train(model, opt, range(3))
-    _old_format_save(tmp_path / "old", model, opt)
+    previous_format_save(tmp_path / "old", model, opt)
     _train(model, opt, range(3, 6))
 
     resumed, ropt = _build(seed=1)
@@ -171,155 +162,88 @@ def test_trusted_loads_the_new_format_too(saved: Path) -> None:
 # Crafted files: each refused before its payload runs and before anything changes
 
 
-def _metadata(ckpt: Path) -> Any:
-    with open(ckpt / ".metadata", "rb") as f:
-        return pickle.load(f)  # the test's own file: the loader under test never does this
-
-
-def _write_metadata(ckpt: Path, metadata: Any) -> None:
-    with open(ckpt / ".metadata", "wb") as f:
-        pickle.dump(metadata, f)
-
-
-def _replace_piece(ckpt: Path, key: str, blob: bytes) -> None:
-    """Put ``blob`` where the bytes of ``key`` lie, moving the pieces after it."""
-    metadata = _metadata(ckpt)
-    info = next(s for i, s in metadata.storage_data.items() if i.fqn == key)
-    file = ckpt / info.relative_path
-    data = file.read_bytes()
-    file.write_bytes(data[: info.offset] + blob + data[info.offset + info.length :])
-    for other in metadata.storage_data.values():
-        if other.relative_path == info.relative_path and other.offset > info.offset:
-            other.offset += len(blob) - info.length
-    info.length = len(blob)
-    _write_metadata(ckpt, metadata)
-
-
-def _torch_save(obj: Any) -> bytes:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
-
-
-def _edit_values(ckpt: Path, edit: Callable[[dict[str, Any]], Any]) -> None:
-    document = json.loads((ckpt / VALUES_FILE).read_text())
-    (ckpt / VALUES_FILE).write_text(json.dumps(edit(document) or document))
-
-
-def _set_value(key: str, value: Any) -> Callable[[dict[str, Any]], None]:
-    return lambda d: d["values"].__setitem__(key, value)
-
-
 LR = "optimizer.param_groups.0.lr"
 WEIGHT = "model.up.weight"
 
 
-def _lr_as(document: dict[str, Any], text: str) -> str:
+def _set_value(key: str, value: Any) -> Craft:
+    return values_edit(lambda d: d["values"].__setitem__(key, value))
+
+
+def _lr_as(text: str) -> Craft:
     """The values file with the JSON ``text`` written for the lr, as no JSON encoder would write it."""
-    document["values"][LR] = "LR-HERE"
-    return json.dumps(document).replace('"LR-HERE"', text)
+
+    def edit(document: dict[str, Any]) -> str:
+        document["values"][LR] = "LR-HERE"
+        return json.dumps(document).replace('"LR-HERE"', text)
+
+    return values_edit(edit)
 
 
-def _craft_metadata_payload(ckpt: Path, marker: Path) -> None:
-    (ckpt / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
-
-
-def _craft_metadata_nested_payload(ckpt: Path, marker: Path) -> None:
-    metadata = _metadata(ckpt)
-    metadata.storage_meta.modules = [Payload(marker)]
-    _write_metadata(ckpt, metadata)
-
-
-def _craft_piece_payload(ckpt: Path, marker: Path) -> None:
-    _replace_piece(ckpt, WEIGHT, _torch_save(Payload(marker)))
-
-
-def _craft_piece_plain_pickle(ckpt: Path, marker: Path) -> None:
-    _replace_piece(ckpt, WEIGHT, pickle.dumps(Payload(marker)))
-
-
-def _craft_tensor_listed_as_pickled_value(ckpt: Path, marker: Path) -> None:
-    """The metadata says the weight is a pickled value (DCP would torch.load it, weights_only=False)."""
-    _replace_piece(ckpt, WEIGHT, _torch_save(Payload(marker)))
-    metadata = _metadata(ckpt)
-    metadata.state_dict_metadata[WEIGHT] = BytesStorageMetadata()
-    _write_metadata(ckpt, metadata)
-
-
-def _craft_data_file_outside(ckpt: Path, marker: Path) -> None:
-    metadata = _metadata(ckpt)
-    next(iter(metadata.storage_data.values())).relative_path = "../elsewhere.distcp"
-    _write_metadata(ckpt, metadata)
-
-
-def _craft_previous_format_with_payload(ckpt: Path, marker: Path) -> None:
+def _previous_format_with_payload(ckpt: Path, marker: Path) -> None:
     model, opt = _build()
     _train(model, opt, range(1))
     for name in os.listdir(ckpt):
         os.remove(ckpt / name)
     os.rmdir(ckpt)
-    _old_format_save(ckpt, model, opt, lr=Payload(marker))
+    previous_format_save(ckpt, model, opt, lr=Payload(marker))
 
 
-def _craft_pickled_value_beside_a_values_file(ckpt: Path, marker: Path) -> None:
+def _pickled_value_beside_a_values_file(ckpt: Path, marker: Path) -> None:
     values = (ckpt / VALUES_FILE).read_text()
-    _craft_previous_format_with_payload(ckpt, marker)
+    _previous_format_with_payload(ckpt, marker)
     (ckpt / VALUES_FILE).write_text(values)
 
 
 # name -> (craft, exception, message); every message names what was refused
-CRAFTED: list[tuple[str, Callable[[Path, Path], None], type[Exception], str]] = [
-    ("metadata_payload", _craft_metadata_payload, UntrustedCheckpointError,
+CRAFTED: list[tuple[str, Craft, type[Exception], str]] = [
+    ("metadata_payload", metadata_payload, UntrustedCheckpointError,
      rf"\.metadata holds a pickle of posix\.mkdir, not one of DCP's metadata classes.*{TRUSTED_HINT}"),
-    ("metadata_nested_payload", _craft_metadata_nested_payload, UntrustedCheckpointError,
+    ("metadata_nested_payload", metadata_nested_payload, UntrustedCheckpointError,
      rf"\.metadata holds a pickle of posix\.mkdir.*{TRUSTED_HINT}"),
-    ("distcp_piece_payload", _craft_piece_payload, UntrustedCheckpointError,
+    ("distcp_piece_payload", piece_payload(WEIGHT), UntrustedCheckpointError,
      rf"__0_0\.distcp holds, for {WEIGHT}, a pickle of \['posix\.mkdir'\].*{TRUSTED_HINT}"),
-    ("distcp_piece_plain_pickle", _craft_piece_plain_pickle, UntrustedCheckpointError,
+    ("distcp_piece_plain_pickle", piece_plain_pickle(WEIGHT), UntrustedCheckpointError,
      rf"__0_0\.distcp holds, for {WEIGHT}, bytes that are not a torch\.save of tensors.*{TRUSTED_HINT}"),
-    ("distcp_tensor_listed_as_pickled", _craft_tensor_listed_as_pickled_value, UntrustedCheckpointError,
-     rf"lists 1 values pickled in its \.distcp files \(\['{WEIGHT}'\]\).*{TRUSTED_HINT}"),
-    ("distcp_file_outside_the_directory", _craft_data_file_outside, ValueError,
+    ("distcp_tensor_listed_as_pickled", tensor_listed_as_pickled_value(WEIGHT), UntrustedCheckpointError,
+     rf"\.metadata lists 1 values pickled in the \.distcp files \(\['{WEIGHT}'\]\).*{TRUSTED_HINT}"),
+    ("distcp_file_outside_the_directory", data_file_outside, ValueError,
      r"lies in '\.\./elsewhere\.distcp', not a \*\.distcp file in the checkpoint directory"),
-    ("distcp_pickled_lr_previous_format", _craft_previous_format_with_payload, UntrustedCheckpointError,
-     rf"has no {VALUES_FILE} .*values pickled in its \.distcp files.*{TRUSTED_HINT}"),
-    ("distcp_pickled_lr_beside_values_file", _craft_pickled_value_beside_a_values_file, UntrustedCheckpointError,
-     rf"lists \d+ values pickled in its \.distcp files.*{TRUSTED_HINT}"),
+    ("distcp_pickled_lr_previous_format", _previous_format_with_payload, UntrustedCheckpointError,
+     rf"has no {VALUES_FILE} .*values pickled in the \.distcp files.*{TRUSTED_HINT}"),
+    ("distcp_pickled_lr_beside_values_file", _pickled_value_beside_a_values_file, UntrustedCheckpointError,
+     rf"\.metadata lists \d+ values pickled in the \.distcp files.*{TRUSTED_HINT}"),
+    ("values_file_a_pickle", values_payload, ValueError, r"not a muonkit values file: UnicodeDecodeError"),
+    ("values_malformed", truncated_values, ValueError, r"not a muonkit values file: JSONDecodeError"),
+    ("values_top_level_extra_key", values_edit(lambda d: d.__setitem__("pickle", "x")), ValueError,
+     r"exactly the keys format, version, values"),
+    ("values_wrong_format", values_edit(lambda d: d.__setitem__("format", "dcp")), ValueError,
+     r"format 'dcp' version 1"),
+    ("values_version_as_bool", values_edit(lambda d: d.__setitem__("version", True)), ValueError, r"version True"),
+    ("values_not_an_object", values_edit(lambda d: d.__setitem__("values", [])), ValueError,
+     r"values must be an object"),
+    ("values_tag_with_extra_key", _set_value(LR, {"float": "inf", "code": "x"}), ValueError, r"exactly one key of"),
+    ("values_unknown_tag", _set_value(LR, {"pickle": "gASV"}), ValueError, r"exactly one key of"),
+    ("values_dtype_not_a_dtype", _set_value("optimizer.param_groups.0.ns_dtype", {"dtype": "Tensor"}), ValueError,
+     r"not a valid dtype"),
+    ("values_dtype_not_a_string", _set_value("optimizer.param_groups.0.ns_dtype", {"dtype": 5}), ValueError,
+     r"not a valid dtype"),
+    ("values_tuple_not_a_list", _set_value("optimizer.param_groups.0.betas", {"tuple": "ab"}), ValueError,
+     r"not a valid tuple"),
+    ("values_float_tag_not_special", _set_value(LR, {"float": "1e400"}), ValueError, r"not a valid float"),
+    ("values_lr_a_string", _set_value(LR, "0.02"), ValueError,
+     rf"{LR} is '0\.02', and the state being loaded holds a number"),
+    ("values_lr_a_list", _set_value(LR, [0.02]), ValueError,
+     rf"{LR} is \[0\.02\], and the state being loaded holds a number"),
+    ("values_nesterov_an_int", _set_value("optimizer.param_groups.0.nesterov", 1), ValueError, r"holds a bool there"),
+    ("values_huge_float", _lr_as("1e999"), ValueError, r"too large for a float"),
+    ("values_huge_int", _set_value(LR, 10**30), ValueError, r"integer 1e\+30, outside 64 bits"),
+    ("values_int_of_5000_digits", _lr_as("9" * 5000), ValueError, r"ValueError: Exceeds the limit"),
+    ("values_nan_literal", _lr_as("NaN"), ValueError, r"NaN is not JSON"),
+    ("values_duplicate_key", _lr_as(f'0.02, "{LR}": 1.0'), ValueError, r"repeats a key"),
+    ("values_deep_nesting", _set_value(LR, json.loads("[" * 40 + "0" + "]" * 40)), ValueError, r"deeper than 32"),
+    ("values_missing", values_edit(lambda d: d["values"].pop(LR)), ValueError, rf"has no value for \['{LR}'\]"),
 ]  # fmt: skip
-
-BAD_VALUES: list[tuple[str, Callable[[dict[str, Any]], Any], str]] = [
-    ("malformed", lambda d: None, r"JSONDecodeError"),  # written truncated below
-    ("top_level_extra_key", lambda d: d.__setitem__("pickle", "x"), r"exactly the keys format, version, values"),
-    ("wrong_format", lambda d: d.__setitem__("format", "dcp"), r"format 'dcp' version 1"),
-    ("version_as_bool", lambda d: d.__setitem__("version", True), r"version True"),
-    ("values_not_an_object", lambda d: d.__setitem__("values", []), r"values must be an object"),
-    ("tag_with_extra_key", _set_value(LR, {"float": "inf", "code": "x"}), r"exactly one key of"),
-    ("unknown_tag", _set_value(LR, {"pickle": "gASV"}), r"exactly one key of"),
-    ("dtype_not_a_dtype", _set_value("optimizer.param_groups.0.ns_dtype", {"dtype": "Tensor"}), r"not a valid dtype"),
-    ("dtype_not_a_string", _set_value("optimizer.param_groups.0.ns_dtype", {"dtype": 5}), r"not a valid dtype"),
-    ("tuple_not_a_list", _set_value("optimizer.param_groups.0.betas", {"tuple": "ab"}), r"not a valid tuple"),
-    ("float_tag_not_special", _set_value(LR, {"float": "1e400"}), r"not a valid float"),
-    ("lr_a_string", _set_value(LR, "0.02"), rf"{LR} is '0\.02', and the state being loaded holds a number"),
-    ("lr_a_list", _set_value(LR, [0.02]), rf"{LR} is \[0\.02\], and the state being loaded holds a number"),
-    ("nesterov_an_int", _set_value("optimizer.param_groups.0.nesterov", 1), r"holds a bool there"),
-    ("huge_float", lambda d: _lr_as(d, "1e999"), r"too large for a float"),
-    ("huge_int", _set_value(LR, 10**30), r"integer 1e\+30, outside 64 bits"),
-    ("int_of_5000_digits", lambda d: _lr_as(d, "9" * 5000), r"ValueError: Exceeds the limit"),
-    ("nan_literal", lambda d: _lr_as(d, "NaN"), r"NaN is not JSON"),
-    ("duplicate_key", lambda d: _lr_as(d, f'0.02, "{LR}": 1.0'), r"repeats a key"),
-    ("deep_nesting", _set_value(LR, json.loads("[" * 40 + "0" + "]" * 40)), r"deeper than 32"),
-    ("missing_value", lambda d: d["values"].pop(LR), rf"has no value for \['{LR}'\]"),
-]
-
-
-def _edit_text(ckpt: Path, edit: Callable[[dict[str, Any]], Any], name: str) -> None:
-    if name == "malformed":
-        text = (ckpt / VALUES_FILE).read_text()
-        (ckpt / VALUES_FILE).write_text(text[: len(text) // 2])
-        return
-    document = json.loads((ckpt / VALUES_FILE).read_text())
-    result = edit(document)
-    (ckpt / VALUES_FILE).write_text(result if isinstance(result, str) else json.dumps(document))
 
 
 def _refused(ckpt: Path, marker: Path, exception: type[Exception], message: str) -> None:
@@ -336,7 +260,7 @@ def _refused(ckpt: Path, marker: Path, exception: type[Exception], message: str)
 
 @pytest.mark.parametrize(("craft", "exception", "message"), [c[1:] for c in CRAFTED], ids=[c[0] for c in CRAFTED])
 def test_a_crafted_checkpoint_file_is_refused_unexecuted(
-    saved: Path, tmp_path: Path, craft: Callable[[Path, Path], None], exception: type[Exception], message: str
+    saved: Path, tmp_path: Path, craft: Craft, exception: type[Exception], message: str
 ) -> None:
     marker = tmp_path / "payload_ran"
     craft(saved, marker)
@@ -344,16 +268,8 @@ def test_a_crafted_checkpoint_file_is_refused_unexecuted(
     _refused(saved, marker, exception, message)
 
 
-@pytest.mark.parametrize(("edit", "message"), [c[1:] for c in BAD_VALUES], ids=[c[0] for c in BAD_VALUES])
-def test_a_bad_values_file_is_refused(
-    saved: Path, tmp_path: Path, edit: Callable[[dict[str, Any]], Any], message: str, request: pytest.FixtureRequest
-) -> None:
-    _edit_text(saved, edit, request.node.callspec.id)
-    _refused(saved, tmp_path / "payload_ran", ValueError, message)
-
-
 def test_a_fresh_optimizer_stays_fresh_when_the_metadata_is_refused(saved: Path, tmp_path: Path) -> None:
-    _craft_metadata_payload(saved, tmp_path / "payload_ran")
+    metadata_payload(saved, tmp_path / "payload_ran")
     model, opt = _build(seed=1)
     params = _params(model)
     with pytest.raises(UntrustedCheckpointError):
@@ -363,7 +279,7 @@ def test_a_fresh_optimizer_stays_fresh_when_the_metadata_is_refused(saved: Path,
 
 
 def test_values_the_state_has_no_place_for_are_ignored_like_dcp(saved: Path) -> None:
-    _edit_values(saved, _set_value("optimizer.param_groups.7.lr", 1.0))
+    _set_value("optimizer.param_groups.7.lr", 1.0)(saved, saved / "unused")
     model, opt = _build(seed=1)
     load_checkpoint(saved, model=model, optimizer=opt)
     reference = _build()
@@ -374,14 +290,14 @@ def test_values_the_state_has_no_place_for_are_ignored_like_dcp(saved: Path) -> 
 def test_the_payloads_do_run_under_a_full_unpickler(saved: Path, tmp_path: Path) -> None:
     """The crafted files are real: plain pickle and DCP's trusted path execute them."""
     marker = tmp_path / "payload_ran"
-    _craft_metadata_payload(saved, marker)
+    metadata_payload(saved, marker)
     with open(saved / ".metadata", "rb") as f:
         pickle.load(f)
     assert marker.exists()
     os.rmdir(marker)
     old = tmp_path / "old"
     old.mkdir()
-    _craft_previous_format_with_payload(old, marker)
+    _previous_format_with_payload(old, marker)
     model, opt = _build(seed=1)
     with contextlib.suppress(Exception):  # the lr it unpickles is mkdir's None
         load_checkpoint(old, model=model, optimizer=opt, trusted=True)

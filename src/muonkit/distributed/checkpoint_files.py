@@ -274,7 +274,7 @@ def open_checkpoint(path: str, *, trusted: bool) -> SavedCheckpoint:
     if not trusted:
         _check_metadata(metadata, metadata_file)
         pickled = sorted(k for k, v in metadata.state_dict_metadata.items() if _is_bytes(v))
-        listed = f"{len(pickled)} values pickled in its .distcp files ({pickled[:3]})"
+        listed = f"{len(pickled)} values pickled in the .distcp files ({pickled[:3]})"
         if not has_values:
             raise refusal(
                 path,
@@ -284,7 +284,7 @@ def open_checkpoint(path: str, *, trusted: bool) -> SavedCheckpoint:
                 reader=_READER,
             )
         if pickled:
-            raise refusal(path, f"lists {listed}", reader=_READER)
+            raise refusal(metadata_file, f"lists {listed}", reader=_READER)
     values = _read_values(values_file) if has_values else None
     return SavedCheckpoint(path, metadata, values, trusted)
 
