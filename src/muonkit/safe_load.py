@@ -12,7 +12,7 @@ pickle runs code in the process that loads it. muonkit's checkpoint readers ther
 
 What a reader will not unpickle raises :class:`UntrustedCheckpointError`, which names the file,
 what it refused and the opt-out: ``trusted=True`` on the loading call, which unpickles with
-``pickle`` as torch and DeepSpeed do (only for checkpoints you or your own code wrote).
+``pickle`` as plain DCP and DeepSpeed do (only for checkpoints you or your own code wrote).
 
 Example::
 
