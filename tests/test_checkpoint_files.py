@@ -268,11 +268,13 @@ def test_a_crafted_checkpoint_file_is_refused_unexecuted(
     _refused(saved, marker, exception, message)
 
 
-def test_a_fresh_optimizer_stays_fresh_when_the_metadata_is_refused(saved: Path, tmp_path: Path) -> None:
-    metadata_payload(saved, tmp_path / "payload_ran")
+@pytest.mark.parametrize("craft", [metadata_payload, piece_payload(WEIGHT), values_payload, truncated_values])
+def test_a_fresh_optimizer_stays_fresh_when_a_file_is_refused(saved: Path, tmp_path: Path, craft: Craft) -> None:
+    """The file checks come before get_state_dict, which would create a fresh optimizer's states."""
+    craft(saved, tmp_path / "payload_ran")
     model, opt = _build(seed=1)
     params = _params(model)
-    with pytest.raises(UntrustedCheckpointError):
+    with pytest.raises(ValueError, match=r"metadata|distcp|values"):
         load_checkpoint(saved, model=model, optimizer=opt)
     assert not opt.state and all(p.grad is None for p in model.parameters())
     assert all(torch.equal(a, b) for a, b in zip(params, model.parameters(), strict=True))

@@ -19,13 +19,14 @@ whole, and refuses a directory holding files other than a checkpoint's.
 
 Loading runs no code from the checkpoint: values that are not tensors (a param group's ``lr``,
 ``betas``...) are saved as JSON in ``muonkit-values.json``, not as the pickles plain DCP puts in
-its ``.distcp`` files; ``.metadata`` is unpickled allowing only DCP's metadata classes, and
-every tensor piece is scanned for what ``torch.load(weights_only=True)`` (DCP's tensor reader)
-refuses, before anything is loaded. Anything else raises
-:class:`~muonkit.safe_load.UntrustedCheckpointError` naming it, with nothing changed.
-``trusted=True`` opts out (``pickle`` as plain DCP does), for checkpoints you wrote yourself
-with ``dcp.save`` or with muonkit's ``save_checkpoint`` before the values file; the file format
-and its checks: :mod:`muonkit.distributed.checkpoint_files`.
+its ``.distcp`` files; ``.metadata`` is unpickled allowing only DCP's metadata classes; DCP reads
+every tensor piece with ``torch.load(weights_only=True)``, and each piece's pickle is first
+scanned for anything that would refuse. A file only a full unpickler could read raises
+:class:`~muonkit.safe_load.UntrustedCheckpointError` naming it (a malformed values file, a
+``ValueError``), before anything is loaded. ``trusted=True`` opts out, unpickling with ``pickle``
+as plain DCP does: for checkpoints you wrote yourself with ``dcp.save``, or with muonkit's
+``save_checkpoint`` before the values file. The file format and every check:
+:mod:`muonkit.distributed.checkpoint_files`.
 
 Example::
 

@@ -24,11 +24,13 @@ Unless the caller passes ``trusted=True``, :func:`open_checkpoint` and
    name inside the directory, no stream transforms);
 2. refuse a checkpoint that lists any pickled value or has no values file (plain DCP, or muonkit's
    ``save_checkpoint`` before the values file), naming what they refused and ``trusted=True``;
-3. parse the values file strictly (below) and check it against the state being loaded: every
-   value it needs present (as DCP requires every key), a bool where the state holds a bool and a
-   number where it holds a number; values the state has no place for are ignored, like DCP's;
-4. scan, statically, the pickle of every tensor piece DCP will read for names
-   ``weights_only`` refuses, so that a crafted piece is refused before any tensor is written.
+3. scan, statically, the pickle of every tensor piece for names ``weights_only`` refuses, so that
+   a crafted piece is refused before any tensor is written (DCP's reader would refuse it too,
+   after writing the pieces it read before);
+4. parse the values file strictly (below);
+5. (in :meth:`SavedCheckpoint.load`) check the values against the state being loaded: every value
+   it needs present (as DCP requires every key), a bool where the state holds a bool and a number
+   where it holds a number; values the state has no place for are ignored, like DCP's.
 
 Only then does DCP read the tensors (into the state's own tensors, in place). With
 ``trusted=True`` the metadata is unpickled with ``pickle`` and a checkpoint without a values file
@@ -44,8 +46,8 @@ Floats round-trip exactly (shortest repr).
 Example::
 
     save(state, "ckpt.muonkit-tmp", rank=0)         # DCP tensors + the values file
-    saved = open_checkpoint("ckpt", trusted=False)  # checks 1-2; raises before anything changes
-    saved.load(state)                               # checks 3-4, then DCP reads into state
+    saved = open_checkpoint("ckpt", trusted=False)  # checks 1-4; raises before anything changes
+    saved.load(state)                               # check 5, then DCP reads into state
 """
 
 from __future__ import annotations
@@ -214,8 +216,6 @@ class SavedCheckpoint:
             return
         split = split_state(state)
         loaded = self._values_for(split.values)
-        if not self.trusted:
-            self._scan_tensor_pieces(split.tensor_keys)
         dcp.load(split.tensors, storage_reader=_Reader(self.path, self.metadata, pickled_values=self.trusted))
         for key, (where, _) in split.values.items():
             _put(state, where, loaded[key])
@@ -233,25 +233,6 @@ class SavedCheckpoint:
                 )
         return {key: copy.deepcopy(self.values[key]) for key in wanted}
 
-    def _scan_tensor_pieces(self, keys: set[str]) -> None:
-        """Refuse any tensor piece DCP would read whose pickle names what ``weights_only`` refuses."""
-        pieces: dict[str, dict[tuple[int, int], str]] = {}
-        for index, info in self.metadata.storage_data.items():
-            if index.fqn in keys:
-                pieces.setdefault(info.relative_path, {})[(info.offset, info.length)] = index.fqn
-        for name, spans in sorted(pieces.items()):
-            path = os.path.join(self.path, name)
-            with open(path, "rb") as f:
-                for (offset, length), key in sorted(spans.items()):
-                    try:
-                        found = foreign_globals(FileSlice(f, offset, length))
-                    except Exception as e:  # not a torch.save zip, or opcodes torch's scanner does not know
-                        raise refusal(
-                            path, f"holds, for {key}, bytes that are not a torch.save of tensors ({e})", reader=_READER
-                        ) from None
-                    if found:
-                        raise refusal(path, f"holds, for {key}, a pickle of {found}", reader=_READER)
-
 
 def _kind(value: Any) -> str | None:
     if isinstance(value, bool):
@@ -266,7 +247,7 @@ def _put(state: Any, path: ObjPath, value: Any) -> None:
 
 
 def open_checkpoint(path: str, *, trusted: bool) -> SavedCheckpoint:
-    """Read and check ``path``'s metadata and values file; raise before anything is loaded."""
+    """Read and check ``path``'s metadata, tensor pickles and values file (checks 1-4 above)."""
     metadata_file = os.path.join(path, ".metadata")
     values_file = os.path.join(path, VALUES_FILE)
     metadata = _read_metadata(metadata_file, trusted=trusted)
@@ -285,8 +266,29 @@ def open_checkpoint(path: str, *, trusted: bool) -> SavedCheckpoint:
             )
         if pickled:
             raise refusal(metadata_file, f"lists {listed}", reader=_READER)
+        _scan_tensor_pieces(path, metadata)
     values = _read_values(values_file) if has_values else None
     return SavedCheckpoint(path, metadata, values, trusted)
+
+
+def _scan_tensor_pieces(path: str, metadata: Metadata) -> None:
+    """Refuse any tensor piece whose pickle names what ``weights_only`` refuses (DCP's reader would
+    refuse it too, but only after writing the pieces before it)."""
+    pieces: dict[str, dict[tuple[int, int], str]] = {}
+    for index, info in metadata.storage_data.items():
+        pieces.setdefault(info.relative_path, {})[(info.offset, info.length)] = index.fqn
+    for name, spans in sorted(pieces.items()):
+        file = os.path.join(path, name)
+        with open(file, "rb") as f:
+            for (offset, length), key in sorted(spans.items()):
+                try:
+                    found = foreign_globals(FileSlice(f, offset, length))
+                except Exception as e:  # not a torch.save zip, or opcodes torch's scanner does not know
+                    raise refusal(
+                        file, f"holds, for {key}, bytes that are not a torch.save of tensors ({e})", reader=_READER
+                    ) from None
+                if found:
+                    raise refusal(file, f"holds, for {key}, a pickle of {found}", reader=_READER)
 
 
 def _read_metadata(file: str, *, trusted: bool) -> Metadata:
