@@ -17,7 +17,8 @@ import sys
 import time
 from pathlib import Path
 
-SRC = Path(__file__).resolve().parent.parent / "src"
+TESTS = Path(__file__).resolve().parent
+SRC = TESTS.parent / "src"
 
 
 def free_port() -> int:
@@ -40,7 +41,8 @@ def launch_ranks(script: Path, args: list[str], *, world_size: int, out_dir: Pat
         "LOCAL_WORLD_SIZE": str(world_size),
         "OMP_NUM_THREADS": "1",
         "TORCH_COMPILE_DISABLE": "1",
-        "PYTHONPATH": os.pathsep.join([str(script.parent), str(SRC), os.environ.get("PYTHONPATH", "")]),
+        # the worker's folder, then tests/ (helpers shared with the one-process tests), then the library
+        "PYTHONPATH": os.pathsep.join([str(script.parent), str(TESTS), str(SRC), os.environ.get("PYTHONPATH", "")]),
     }
     procs = []
     for rank in range(world_size):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -176,6 +177,62 @@ def test_a_checkpoint_that_runs_code_is_refused_unexecuted(tmp_path: Path, file:
         convert(ckpt, world_size=1, output=tmp_path / "out")
     assert not marker.exists()
     assert not (tmp_path / "out" / "step2").exists()
+
+
+def _with_client_state(ckpt: Path, value: Any, file: str = "zero_pp_rank_1_mp_rank_00_optim_states.pt") -> None:
+    path = ckpt / "step2" / file
+    saved = torch.load(path, weights_only=False)
+    saved["client_state"] = value
+    torch.save(saved, path)
+
+
+def test_trusted_converts_a_checkpoint_holding_other_objects(tmp_path: Path) -> None:
+    """A client_state of the user's own objects is refused by default, unpickled with --trusted."""
+    ckpt = _checkpoint(tmp_path)
+    _with_client_state(ckpt, Fraction(1, 3), file="zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    argv = ["convert-deepspeed", str(ckpt), "--world-size", "1", "--output", str(tmp_path / "out")]
+    with pytest.raises(SystemExit, match=r"\(\['fractions.Fraction'\]\).*pass trusted=True \(--trusted\)"):
+        main(argv)
+    assert main([*argv, "--trusted"]) == 0
+    out = torch.load(tmp_path / "out/step2/zero_pp_rank_0_mp_rank_00_optim_states.pt", weights_only=False)
+    assert out["client_state"] == Fraction(1, 3)
+
+
+class _Engine:
+    """What guard_load_checkpoint wraps: DeepSpeed's engine.load_checkpoint, recording its calls."""
+
+    dp_world_size = 2
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+
+    def load_checkpoint(self, load_dir: str, tag: str | None = None, **kwargs: Any) -> tuple[str, dict[str, Any]]:
+        self.calls.append((load_dir, tag, kwargs))
+        return load_dir, {}
+
+
+@pytest.mark.parametrize(
+    "file", ["zero_pp_rank_1_mp_rank_00_optim_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"]
+)
+def test_the_guarded_engine_load_refuses_a_checkpoint_that_runs_code(tmp_path: Path, file: str) -> None:
+    """DeepSpeed unpickles with weights_only=False; the guard scans every file first, statically."""
+    from muonkit.integrations.deepspeed_checkpoint import guard_load_checkpoint
+    from muonkit.safe_load import UntrustedCheckpointError
+
+    ckpt, marker = _checkpoint(tmp_path), tmp_path / "pwned"
+    engine = _Engine()
+    guard_load_checkpoint(engine)
+    engine.load_checkpoint(str(ckpt))  # muonkit's own checkpoints pass
+    _with_client_state(ckpt, _Payload(marker), file=file)
+    message = rf"{file} holds a pickle of \['posix.mkdir'\].*guard of engine.load_checkpoint.*pass trusted=True"
+    with pytest.raises(UntrustedCheckpointError, match=message):
+        engine.load_checkpoint(str(ckpt), load_optimizer_states=False)
+    with pytest.raises(UntrustedCheckpointError, match=message):
+        engine.load_checkpoint(str(ckpt), tag="step2")
+    assert not marker.exists()
+    assert engine.calls == [(str(ckpt), None, {})]
+    engine.load_checkpoint(str(ckpt), "step2", trusted=True)  # skips the scan; DeepSpeed itself gets no `trusted`
+    assert engine.calls[-1] == (str(ckpt), "step2", {})
 
 
 def test_a_failed_conversion_leaves_the_previous_output_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

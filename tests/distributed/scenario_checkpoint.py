@@ -10,13 +10,30 @@ layout batch them. So states must match bit for bit and Muon params within the t
 
 from __future__ import annotations
 
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
 import torch
 import torch.distributed as dist
 from common import ZOO, ParamSpec, build_module, differences_to, group_dicts, set_grads, snapshot
 from harness import Context, check
 
 import muonkit
+from crafted_checkpoints import (
+    Craft,
+    first_tensor_in,
+    metadata_payload,
+    piece_payload,
+    previous_format_save,
+    tensor_listed_as_pickled_value,
+    truncated_values,
+    values_payload,
+)
 from muonkit.distributed.checkpoint import load_checkpoint, save_checkpoint
+from muonkit.distributed.checkpoint_files import VALUES_FILE
+from muonkit.safe_load import UntrustedCheckpointError
 
 # fully_shard needs one dtype; one param has no gradient (hence no state) before the save.
 CKPT_ZOO = [s for s in ZOO if s.dtype == torch.float32] + [
@@ -45,25 +62,33 @@ def _steps(module: torch.nn.Module, opt: muonkit.HybridMuon, steps: range) -> No
         opt.step()
 
 
-@check(2, both_ns_defaults=True)
-def save_at_world_size_2(ctx: Context) -> None:
-    for layout in ("ddp", "fsdp"):
-        wrapped, module = build_module(layout, CKPT_ZOO)
-        opt = _optimizer(layout, module)
-        _steps(module, opt, range(SAVE_AT))
-        saved = snapshot(list(module.parameters()), opt)
-        save_checkpoint(ctx.shared / f"ckpt_{layout}_{ctx.ns_default}", model=wrapped, optimizer=opt)
-        _steps(module, opt, range(SAVE_AT, STEPS))
-        final = snapshot(list(module.parameters()), opt)
-        if ctx.rank == 0:
-            torch.save((saved, final), ctx.shared / f"snapshots_{layout}_{ctx.ns_default}.pt")
+Save = Callable[[Path, torch.nn.Module, muonkit.HybridMuon], None]
+
+
+def _save_run(ctx: Context, layout: str, name: str, save: Save) -> None:
+    """Train, save as ``ckpt_{name}``, train on; record the snapshots at the save and at the end."""
+    wrapped, module = build_module(layout, CKPT_ZOO)
+    opt = _optimizer(layout, module)
+    _steps(module, opt, range(SAVE_AT))
+    saved = snapshot(list(module.parameters()), opt)
+    save(ctx.shared / f"ckpt_{name}_{ctx.ns_default}", wrapped, opt)
+    _steps(module, opt, range(SAVE_AT, STEPS))
+    final = snapshot(list(module.parameters()), opt)
+    if ctx.rank == 0:
+        torch.save((saved, final), ctx.shared / f"snapshots_{name}_{ctx.ns_default}.pt")
     dist.barrier()
 
 
-def _resume(ctx: Context, layout: str, saved_by: str) -> None:
+@check(2, both_ns_defaults=True)
+def save_at_world_size_2(ctx: Context) -> None:
+    for layout in ("ddp", "fsdp"):
+        _save_run(ctx, layout, layout, lambda path, model, opt: save_checkpoint(path, model=model, optimizer=opt))
+
+
+def _resume(ctx: Context, layout: str, saved_by: str, *, trusted: bool = False) -> None:
     wrapped, module = build_module(layout, CKPT_ZOO, seed_offset=7)  # different initial values: must be loaded
     opt = _optimizer(layout, module)
-    load_checkpoint(ctx.shared / f"ckpt_{saved_by}_{ctx.ns_default}", model=wrapped, optimizer=opt)
+    load_checkpoint(ctx.shared / f"ckpt_{saved_by}_{ctx.ns_default}", model=wrapped, optimizer=opt, trusted=trusted)
     saved, final = torch.load(ctx.shared / f"snapshots_{saved_by}_{ctx.ns_default}.pt")
     where = f"{layout} at W={ctx.world_size} from the {saved_by} checkpoint"
     problems = differences_to(snapshot(list(module.parameters()), opt), saved)
@@ -131,3 +156,77 @@ def bf16_params_keep_fp32_states_through_a_checkpoint(ctx: Context) -> None:
     run(module, opt, range(2, 4))
     problems = differences_to(snapshot(list(module.parameters()), opt), expected)
     assert not problems, "\n".join(problems)
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints that could run code: refused on every rank, nothing changed, nobody left waiting;
+# the previous format (values pickled in .distcp, plain dcp.save) loads with trusted=True.
+
+
+@check(2)
+def save_previous_format_at_world_size_2(ctx: Context) -> None:
+    _save_run(ctx, "fsdp", "fsdp_previous", previous_format_save)
+
+
+def _resume_previous_format(ctx: Context) -> None:
+    wrapped, module = build_module("fsdp", CKPT_ZOO, seed_offset=7)
+    opt = _optimizer("fsdp", module)
+    before = snapshot(list(module.parameters()), opt)
+    try:
+        load_checkpoint(ctx.shared / f"ckpt_fsdp_previous_{ctx.ns_default}", model=wrapped, optimizer=opt)
+    except UntrustedCheckpointError as e:
+        assert f"has no {VALUES_FILE}" in str(e) and "pass trusted=True" in str(e), e
+    else:
+        raise AssertionError("a checkpoint with pickled values loaded without trusted=True")
+    problems = differences_to(snapshot(list(module.parameters()), opt), before)
+    assert not problems, "refused, yet changed:\n" + "\n".join(problems)
+    _resume(ctx, "fsdp", "fsdp_previous", trusted=True)
+
+
+@check(4)
+def resume_previous_format_at_4_only_when_trusted(ctx: Context) -> None:
+    _resume_previous_format(ctx)
+
+
+@check(1)
+def resume_previous_format_at_1_only_when_trusted(ctx: Context) -> None:
+    _resume_previous_format(ctx)
+
+
+@check(2)
+def a_crafted_file_is_refused_on_every_rank_before_its_payload_runs(ctx: Context) -> None:
+    """A payload in each file of a 2-rank FSDP2 checkpoint (and two more crafts): every rank raises,
+    naming the file, with its params and states unchanged and the payload not run."""
+    wrapped, module = build_module("fsdp", CKPT_ZOO)
+    opt = _optimizer("fsdp", module)
+    _steps(module, opt, range(SAVE_AT))
+    base = ctx.shared / "crafted_base"
+    save_checkpoint(base, model=wrapped, optimizer=opt)
+    files = sorted(os.listdir(base))
+    distcp = [f for f in files if f.endswith(".distcp")]
+    assert len(distcp) == 2, files
+    crafts: dict[str, tuple[str, Craft]] = {
+        ".metadata": (".metadata", metadata_payload),
+        VALUES_FILE: (VALUES_FILE, values_payload),
+        **{f: (f, piece_payload(first_tensor_in(base, f), file=f)) for f in distcp},
+    }
+    assert sorted(crafts) == files, (sorted(crafts), files)  # every file of the checkpoint
+    crafts["truncated_values"] = (VALUES_FILE, truncated_values)
+    crafts["listed_as_pickled"] = (".metadata", tensor_listed_as_pickled_value(first_tensor_in(base, distcp[1])))
+    before = snapshot(list(module.parameters()), opt)
+    for case, (named, craft) in crafts.items():
+        ckpt, marker = ctx.shared / f"crafted_{case}", ctx.shared / f"payload_ran_{case}"
+        if ctx.rank == 0:
+            shutil.copytree(base, ckpt)
+            craft(ckpt, marker)
+        dist.barrier()
+        try:
+            load_checkpoint(ckpt, model=wrapped, optimizer=opt)
+        except ValueError as e:
+            assert named in str(e), f"{case}: {e}"
+        else:
+            raise AssertionError(f"{case}: loaded")
+        assert not marker.exists(), f"{case}: the payload ran"
+        problems = differences_to(snapshot(list(module.parameters()), opt), before)
+        assert not problems, f"{case}: refused, yet changed:\n" + "\n".join(problems)
+    dist.barrier()

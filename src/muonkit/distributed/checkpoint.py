@@ -15,10 +15,18 @@ Saving never destroys the previous checkpoint at ``path``: every rank writes int
 new directory into place atomically (:mod:`muonkit.atomic`); a ``kill -9`` at any moment
 leaves the previous or the new checkpoint loadable. ``path`` must therefore be a directory
 that all ranks see (one shared file system), and ``save_checkpoint`` owns it: it replaces it
-whole, and refuses a directory holding files other than DCP's.
+whole, and refuses a directory holding files other than a checkpoint's.
 
-Loading unpickles DCP's ``.metadata`` file with ``pickle`` (DCP has no safe mode for it; the
-tensor data itself loads with ``weights_only=True``): load only checkpoints you trust.
+Loading runs no code from the checkpoint: values that are not tensors (a param group's ``lr``,
+``betas``...) are saved as JSON in ``muonkit-values.json``, not as the pickles plain DCP puts in
+its ``.distcp`` files; ``.metadata`` is unpickled allowing only DCP's metadata classes; DCP reads
+every tensor piece with ``torch.load(weights_only=True)``, and each piece's pickle is first
+scanned for anything that would refuse. A file only a full unpickler could read raises
+:class:`~muonkit.safe_load.UntrustedCheckpointError` naming it (a malformed values file, a
+``ValueError``), before anything is loaded. ``trusted=True`` opts out, unpickling with ``pickle``
+as plain DCP does: for checkpoints you wrote yourself with ``dcp.save``, or with muonkit's
+``save_checkpoint`` before the values file. The file format and every check:
+:mod:`muonkit.distributed.checkpoint_files`.
 
 Example::
 
@@ -39,36 +47,42 @@ import torch.distributed as dist
 from torch import nn
 
 from muonkit.atomic import TMP_SUFFIX, check_replaceable, prepare_dir, publish_dir, readable_dir
+from muonkit.distributed import checkpoint_files
 
 __all__ = ["load_checkpoint", "save_checkpoint"]
 
 
 def save_checkpoint(path: str | os.PathLike[str], *, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Write model and optimizer state to the directory ``path`` (collective), replacing it atomically."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     final = os.path.abspath(os.fspath(path))
     model_state, optim_state = get_state_dict(model, optimizer)
-    check_replaceable(final, owned=_dcp_file, what="save_checkpoint")  # every rank: all raise alike
+    check_replaceable(final, owned=checkpoint_files.owned_file, what="save_checkpoint")  # every rank: all raise alike
     _barrier()  # nobody still reads `final` when rank 0 restores or cleans beside it
     tmp = prepare_dir(final) if _rank() == 0 else final + TMP_SUFFIX
     _barrier()
-    dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=tmp)
-    # dcp.save returns once the coordinator (rank 0) wrote .metadata after every rank's data.
+    checkpoint_files.save({"model": model_state, "optimizer": optim_state}, tmp, rank=_rank())
+    # save returns once the coordinator (rank 0) wrote .metadata after every rank's data, and the values.
     if _rank() == 0:
         publish_dir(tmp, final)
     _barrier()
 
 
-def load_checkpoint(path: str | os.PathLike[str], *, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+def load_checkpoint(
+    path: str | os.PathLike[str], *, model: nn.Module, optimizer: torch.optim.Optimizer, trusted: bool = False
+) -> None:
     """Load a checkpoint written by :func:`save_checkpoint` into ``model`` and ``optimizer`` (collective).
+
+    Refuses, with :class:`~muonkit.safe_load.UntrustedCheckpointError` and nothing changed, any
+    checkpoint file only a full unpickler could read (see the module docstring); ``trusted=True``
+    unpickles them, for checkpoints you trust (plain ``dcp.save`` ones, or muonkit's before
+    ``muonkit-values.json``).
 
     The optimizer may be fresh (no state yet): ``get_state_dict`` then creates its states with one
     zero-gradient, zero-lr step, and the loaded values replace them; states the checkpoint does
     not have (params that had no gradient before the save) are dropped again.
     """
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_state_dict,
@@ -77,11 +91,12 @@ def load_checkpoint(path: str | os.PathLike[str], *, model: nn.Module, optimizer
     )
 
     path = readable_dir(os.path.abspath(os.fspath(path)))
+    files = checkpoint_files.open_checkpoint(path, trusted=trusted)  # checks the files before anything changes
     model_state, optim_tree = get_state_dict(model, optimizer)
     optim_state = cast(dict[str, Any], optim_tree)
     # States the saving run did not have yet (a param that never had a gradient) must stay
     # absent, not zero: an AdamW state with step=1 would change its bias correction.
-    saved = set(dcp.FileSystemReader(os.fspath(path)).read_metadata().state_dict_metadata)
+    saved = files.keys
     kept = {
         name: entry
         for name, full in optim_state["state"].items()
@@ -90,14 +105,9 @@ def load_checkpoint(path: str | os.PathLike[str], *, model: nn.Module, optimizer
     complete = len(kept) == len(optim_state["state"])
     optim_state["state"] = kept
     state: dict[str, Any] = {"model": model_state, "optimizer": optim_state}
-    dcp.load(state, checkpoint_id=os.fspath(path))
+    files.load(state)
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, optimizer, state["optimizer"], options=StateDictOptions(strict=complete))
-
-
-def _dcp_file(name: str) -> bool:
-    """Files DCP's FileSystemWriter writes (a directory holding others is not replaced)."""
-    return name.endswith((".distcp", ".metadata", ".metadata.tmp"))
 
 
 def _rank() -> int:

@@ -22,8 +22,10 @@ Safety: the tag (``--tag`` or the checkpoint's ``latest`` file) must name a dire
 checkpoint directory, and nothing is written outside ``--output`` (which must not overlap the
 checkpoint). The files are read with ``torch.load(weights_only=True)``, allowing besides tensors
 and plain containers only the DeepSpeed classes its checkpoints hold (:data:`SAFE_CLASSES`); a
-file holding anything else is refused, not unpickled. (DeepSpeed's own
-``engine.load_checkpoint`` reads with ``weights_only=False``: load only checkpoints you trust.)
+file holding anything else is refused, not unpickled, unless ``trusted=True`` (``--trusted``),
+which unpickles it with ``pickle`` as DeepSpeed does. (DeepSpeed's own ``engine.load_checkpoint``
+reads with ``weights_only=False``; muonkit's guard of it scans the files first:
+:mod:`muonkit.integrations.deepspeed_checkpoint`.)
 ``output/TAG`` is written aside and renamed into place, so a crash never leaves a half-written
 conversion over a previous one.
 """
@@ -44,7 +46,7 @@ import torch
 from torch import Tensor
 
 from muonkit.atomic import check_replaceable, prepare_dir, publish_dir, replace_file
-from muonkit.integrations.deepspeed_checkpoint import latest_tag
+from muonkit.integrations.deepspeed_checkpoint import SAFE_CLASSES, latest_tag
 
 __all__ = ["SAFE_CLASSES", "convert", "main"]
 
@@ -52,9 +54,16 @@ _OPTIM = re.compile(r"^(?P<prefix>.*)zero_pp_rank_(?P<rank>\d+)_mp_rank_00_optim
 
 
 def convert(
-    src: str | os.PathLike[str], *, world_size: int, output: str | os.PathLike[str], tag: str | None = None
+    src: str | os.PathLike[str],
+    *,
+    world_size: int,
+    output: str | os.PathLike[str],
+    tag: str | None = None,
+    trusted: bool = False,
 ) -> str:
-    """Write ``output/TAG`` (and ``output/latest``) for ``world_size`` ranks; returns the tag."""
+    """Write ``output/TAG`` (and ``output/latest``) for ``world_size`` ranks; returns the tag.
+
+    ``trusted=True`` unpickles files holding other objects than :data:`SAFE_CLASSES` (see above)."""
     src, output = os.fspath(src), os.fspath(output)
     if world_size < 1:
         raise ValueError(f"Invalid world_size={world_size}: must be >= 1")
@@ -71,10 +80,10 @@ def convert(
             f"Invalid output {output!r}: {out_dir} overlaps the checkpoint directory {src}; write to a directory outside it"
         )
     files, prefix = _optim_files(os.path.join(src, tag))
-    states = [_load(f) for f in files]
+    states = [_load(f, trusted=trusted) for f in files]
     osd = [s["optimizer_state_dict"] for s in states]
     model_files = sorted(glob.glob(os.path.join(src, tag, "*model_states.pt")))
-    model0 = _load(model_files[0])
+    model0 = _load(model_files[0], trusted=trusted)
     ds_config = model0.get("ds_config") or {}
     if (ds_config.get("zero_optimization") or {}).get("round_robin_gradients"):
         raise ValueError("round_robin_gradients orders parameters by world size: its checkpoints cannot be converted")
@@ -119,19 +128,14 @@ def _overlap(a: str, b: str) -> bool:
     return a == b or a.startswith(b.rstrip(os.sep) + os.sep) or b.startswith(a.rstrip(os.sep) + os.sep)
 
 
-SAFE_CLASSES = (
-    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
-    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
-    "deepspeed.runtime.zero.config.ZeroStageEnum",
-    "deepspeed.utils.tensor_fragment.fragment_address",
-)
-
-
-def _load(path: str) -> Any:
+def _load(path: str, *, trusted: bool) -> Any:
     """``torch.load(weights_only=True)`` allowing :data:`SAFE_CLASSES`, whose unpickling only sets
-    numbers (loss scale, ZeRO stage, fragment offsets); anything else is refused unexecuted."""
+    numbers (loss scale, ZeRO stage, fragment offsets); anything else is refused unexecuted, unless
+    ``trusted``."""
     import importlib
 
+    if trusted:
+        return torch.load(path, map_location="cpu", weights_only=False)
     allowed = [getattr(importlib.import_module(m), n) for m, _, n in (c.rpartition(".") for c in SAFE_CLASSES)]
     try:
         with torch.serialization.safe_globals(allowed):
@@ -144,7 +148,8 @@ def _load(path: str) -> Any:
         raise ValueError(
             f"{path} holds objects convert-deepspeed does not unpickle{f' ({found})' if found else ''}: it loads "
             f"with torch.load(weights_only=True), allowing tensors, plain containers and {list(SAFE_CLASSES)} "
-            f"({str(e).splitlines()[-1] if str(e) else type(e).__name__})"
+            f"({str(e).splitlines()[-1] if str(e) else type(e).__name__}). Unpickling can run any code; if you "
+            "trust this checkpoint (you or your own code wrote it), pass trusted=True (--trusted) to unpickle it."
         ) from None
 
 
@@ -289,9 +294,10 @@ DESCRIPTION = (
     "Rewrite a DeepSpeed ZeRO checkpoint of a muonkit run for another data-parallel world size. "
     "Files are read with torch.load(weights_only=True): tensors, plain containers and the few "
     "DeepSpeed classes its checkpoints hold (loss scaler, ZeRO stage, fragment addresses); a "
-    "file holding any other object is refused, never unpickled. OUTPUT/TAG is written aside and "
-    "renamed into place; nothing is written outside OUTPUT. Note: DeepSpeed's own "
-    "engine.load_checkpoint unpickles with weights_only=False, so load only checkpoints you trust."
+    "file holding any other object is refused, never unpickled (--trusted unpickles it, for "
+    "checkpoints you trust). OUTPUT/TAG is written aside and renamed into place; nothing is written "
+    "outside OUTPUT. Note: DeepSpeed's own engine.load_checkpoint unpickles with weights_only=False "
+    "(muonkit's guard scans the files first, but not under the Hugging Face Trainer)."
 )
 
 
@@ -306,11 +312,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--tag", default=None,
         help="checkpoint tag, a directory name inside CHECKPOINT (default: the one in CHECKPOINT/latest)",
     )  # fmt: skip
+    parser.add_argument(
+        "--trusted", action="store_true",
+        help="unpickle files holding objects besides tensors and DeepSpeed's plain classes (only your own checkpoints)",
+    )  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        tag = convert(args.checkpoint, world_size=args.world_size, output=args.output, tag=args.tag)
+        tag = convert(
+            args.checkpoint, world_size=args.world_size, output=args.output, tag=args.tag, trusted=args.trusted
+        )
     except ValueError as e:
         raise SystemExit(f"muonkit convert-deepspeed: {e}") from None
     print(f"wrote {os.path.join(args.output, tag)} for {args.world_size} data-parallel ranks")
