@@ -254,3 +254,16 @@ def is_preset_schedule(coefficients: str | Sequence[Sequence[float]], *, steps: 
     except ValueError:
         return False
     return any(schedule == preset.schedule(len(schedule)) for preset in PRESETS.values())
+
+
+def output_bound(coefficients: str | Sequence[Sequence[float]], *, steps: int | None = None) -> float:
+    """A bound on the output singular values of the iteration: a preset's ``truncated_top`` (at
+    any step count; ``tests/test_orthogonalize_fuzz.py``), else the schedule's
+    :func:`worst_growth` from inputs in [0, 1] (the normalization's range)."""
+    if isinstance(coefficients, str):
+        return PRESETS[coefficients].truncated_top
+    schedule, _ = resolve_preset(coefficients, steps=steps)
+    for preset in PRESETS.values():
+        if schedule == preset.schedule(len(schedule)):
+            return preset.truncated_top
+    return worst_growth(schedule)[1]
