@@ -25,6 +25,7 @@ from torch.optim import Optimizer
 from muonkit.config import (
     DEFAULTS,
     MATRIX_ALGORITHMS,
+    TORCH_ADJUST_LR,
     TORCH_MUON_DEFAULTS,
     AdamWConfig,
     MuonConfig,
@@ -158,7 +159,7 @@ class HybridMuon(Optimizer):
     (``fill_``); a number assigned to ``group["lr"]`` is checked and copied into the group's
     tensor at the next step (refused during a CUDA graph capture; under ``torch.compile`` it
     recompiles). Values written into the tensors are not checked (that would read them). Results
-    equal the plain step's, bit for bit on CPU. Non-finite checks read a verdict on the host,
+    equal the plain step's, bit for bit on CPU (0-dim params included). Non-finite checks read a verdict on the host,
     hence ``nonfinite="unchecked"``; check gradients before the step instead (e.g.
     ``torch.amp.GradScaler``). Distributed strategies run collectives with host-side bookkeeping
     and are refused. ``torch.compile(opt.step)`` compiles the step as one graph; an lr
@@ -220,6 +221,7 @@ class HybridMuon(Optimizer):
             )
         if nonfinite not in NONFINITE_CHOICES:
             raise ValueError(f"Invalid nonfinite={nonfinite!r}: must be one of {NONFINITE_CHOICES}")
+        _check_strategy(strategy)
         _check_capturable(capturable, nonfinite, process_group, strategy)
         if process_group is not None and strategy is None and not _distributed_initialized():
             raise ValueError(
@@ -262,6 +264,7 @@ class HybridMuon(Optimizer):
         hands ``step()`` flat partitions): :mod:`muonkit.integrations.deepspeed` calls this once
         the engine exists. Existing states must already be laid out as ``strategy.local`` expects.
         """
+        _check_strategy(strategy, required=True)
         self._strategy = strategy
 
     def _strategy_for_step(self, has_grad: list[bool], settings: Callable[[], Sequence[Any]]) -> Strategy:
@@ -902,6 +905,19 @@ _RATES = ("lr", "weight_decay")
 """The hyperparameters a capturable optimizer holds as device tensors (what schedules change)."""
 
 
+def _check_strategy(strategy: Any, *, required: bool = False) -> None:
+    """A strategy is a :class:`muonkit.distributed.Strategy` (or None: chosen at the first step)."""
+    if isinstance(strategy, Strategy) or (strategy is None and not required):
+        return
+    allowed = "a muonkit.distributed.Strategy" + (
+        "" if required else " or None (chosen from the params at the first step)"
+    )
+    raise TypeError(
+        f"Invalid strategy={strategy!r}: must be {allowed}, e.g. muonkit.distributed.SingleDeviceStrategy() "
+        "or ReplicatedStrategy(process_group); for DDP pass process_group= instead"
+    )
+
+
 def _check_capturable(capturable: Any, nonfinite: str, process_group: Any, strategy: Strategy | None) -> None:
     """Refuse ``capturable=True`` where the step would need a host read or host-side collectives."""
     if not isinstance(capturable, bool):
@@ -1249,9 +1265,8 @@ class Muon(HybridMuon):
                     "(torch's name and muonkit's): pass one"
                 )
             adjust_lr_fn = kwargs.pop("adjust_lr")
-        names = {None: "keller", "original": "keller", "match_rms_adamw": "match_adamw"}
         if isinstance(adjust_lr_fn, str | None):
-            adjust_lr_fn = names.get(adjust_lr_fn, adjust_lr_fn)
+            adjust_lr_fn = TORCH_ADJUST_LR.get(adjust_lr_fn, adjust_lr_fn)
         super().__init__(
             params,
             lr=lr,
@@ -1269,14 +1284,30 @@ class Muon(HybridMuon):
         return f"muonkit.Muon takes {self._for_a_model}"
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """As :meth:`HybridMuon.add_param_group`, for Muon groups only."""
+        """As :meth:`HybridMuon.add_param_group`, for Muon groups only; as in torch.optim.Muon, a
+        group may set ``adjust_lr_fn`` (torch's names or ours; muonkit's ``adjust_lr``)."""
         algorithm = param_group.get("algorithm") if isinstance(param_group, Mapping) else None
         if algorithm not in (None, "muon"):
             raise ValueError(
                 f"muonkit.Muon takes Muon groups only; param group {len(self.param_groups)} is {algorithm!r}: "
                 f"it takes {self._for_a_model}"
             )
+        if isinstance(param_group, Mapping) and "adjust_lr_fn" in param_group:
+            param_group = _torch_adjust_lr(param_group, len(self.param_groups))
         super().add_param_group(param_group)
+
+
+def _torch_adjust_lr(group: Mapping[str, Any], index: int) -> dict[str, Any]:
+    """``group`` with torch.optim.Muon's ``adjust_lr_fn`` as muonkit's ``adjust_lr`` (:data:`TORCH_ADJUST_LR`)."""
+    group = dict(group)
+    value = group.pop("adjust_lr_fn")
+    if "adjust_lr" in group:
+        raise ValueError(
+            f"Param group {index} has both adjust_lr_fn and adjust_lr; they are the same setting "
+            "(torch's name and muonkit's): give one"
+        )
+    group["adjust_lr"] = TORCH_ADJUST_LR.get(value, value) if isinstance(value, str | None) else value
+    return group
 
 
 __all__ = ["NONFINITE_CHOICES", "HybridMuon", "Muon"]
