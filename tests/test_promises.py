@@ -107,7 +107,10 @@ def test_every_preset_keeps_its_band_at_the_largest_eps(preset: str, dtype: torc
 
 def test_an_adamw_eps_below_float32s_smallest_normal_raises() -> None:
     vector = nn.Parameter(torch.randn(3))
-    with pytest.raises(ValueError, match=r"^Invalid eps=1e-40: must be >= 1\.175e-38 .* in param group 0$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^Invalid eps=1e-40: must be >= 1\.175e-38: float32's smallest normal value; .* in param group 0$",
+    ):
         muonkit.HybridMuon([{"params": [vector], "algorithm": "adamw", "eps": 1e-40}])
     muonkit.HybridMuon([{"params": [vector], "algorithm": "adamw", "eps": torch.finfo(F32).tiny}])
 

@@ -19,11 +19,10 @@ from muonkit.functional.lr_scaling import ADJUST_LR_CHOICES
 from muonkit.functional.matrices import LAYOUT_KINDS, MatrixLayout
 from muonkit.functional.muon import NSOptions
 from muonkit.functional.orthogonalize import METHODS, orthogonalization_flops
-from muonkit.functional.validation import adamw_eps as _adamw_eps
+from muonkit.functional.validation import eps as _eps
 from muonkit.functional.validation import flag as _bool
 from muonkit.functional.validation import nonneg as _nonneg
 from muonkit.functional.validation import ns_dtype as _ns_dtype
-from muonkit.functional.validation import ns_eps as _ns_eps
 from muonkit.functional.validation import ns_steps as _ns_steps
 from muonkit.functional.validation import positive_int as _positive_int
 from muonkit.functional.validation import real
@@ -223,7 +222,7 @@ def _muon_config(g: Mapping[str, Any], algorithm: str = "muon") -> MuonConfig:
         nesterov=_bool("nesterov", g["nesterov"]),
         ns_coefficients=ns_coefficients,
         ns_steps=ns_steps,
-        eps=_ns_eps("eps", g["eps"]),
+        eps=_eps("eps", g["eps"], kind="newton_schulz"),
         weight_decay=_nonneg("weight_decay", g["weight_decay"]),
         adjust_lr=adjust_lr,
         layout=MatrixLayout(layout, split_sizes),
@@ -259,7 +258,7 @@ def _adamw_config(g: Mapping[str, Any]) -> AdamWConfig:
         lr=_nonneg("lr", g["lr"]),
         beta1=_unit("betas[0]", betas[0]),
         beta2=_unit("betas[1]", betas[1]),
-        eps=_adamw_eps("eps", g["eps"]),
+        eps=_eps("eps", g["eps"], kind="adamw"),
         weight_decay=_nonneg("weight_decay", g["weight_decay"]),
         cautious_wd=_bool("cautious_wd", g.get("cautious_wd", DEFAULTS.cautious_wd)),
     )

@@ -130,7 +130,7 @@ def orthogonalize_batches(
     if method not in METHODS:
         raise ValueError(f"Invalid method={method!r}: must be one of {METHODS}")
     steps = check.ns_steps("steps", steps)
-    eps = check.ns_eps("eps", eps)
+    eps = check.eps("eps", eps, kind="newton_schulz")
     schedule, norm_factor = resolve_preset(coefficients, steps=steps, name="coefficients")
     compute = check.ns_dtype("dtype", dtype) or default_compute_dtype(first.device)
     if compute == torch.float16 and first.device.type == "cpu":

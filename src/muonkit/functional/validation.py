@@ -89,27 +89,32 @@ subnormal or zero in the float32 moments' arithmetic (where hardware may flush s
 zero), and ``0 / (0 + 0)`` where a gradient entry has always been 0 makes the param NaN."""
 
 
-def ns_eps(name: str, value: Any) -> float:
-    """Newton-Schulz's ``eps``: in ``(0, MAX_NS_EPS]``."""
-    v = positive(name, value)
-    if v > MAX_NS_EPS:
-        raise ValueError(
-            f"Invalid {name}={value!r}: must be in (0, {MAX_NS_EPS:g}]: a relative margin in Newton-Schulz's "
-            "normalization U / ((k + eps)*||U||_F); a larger one shrinks every singular value, and the result "
-            "leaves the preset's band (Polar Express from eps = 0.1) and, at 1e30, is ~1e-28"
-        )
-    return v
+EPS_BANDS: dict[str, tuple[float, float, str]] = {
+    "newton_schulz": (
+        0.0,
+        MAX_NS_EPS,
+        "a relative margin in Newton-Schulz's normalization U / ((k + eps)*||U||_F); a larger one shrinks "
+        "every singular value, and the result leaves the preset's band (Polar Express from eps = 0.1) and, at "
+        "1e30, is ~1e-28",
+    ),
+    "adamw": (
+        MIN_ADAMW_EPS,
+        math.inf,
+        "float32's smallest normal value; a smaller one is subnormal or zero in the float32 moments' "
+        "arithmetic, where a gradient entry that has always been 0 gives 0 / 0 = NaN",
+    ),
+}
+"""Each ``eps``'s allowed band (``(0, high]`` or ``[low, inf)``) and why."""
 
 
-def adamw_eps(name: str, value: Any) -> float:
-    """AdamW's ``eps``: at least ``MIN_ADAMW_EPS``."""
+def eps(name: str, value: Any, *, kind: str) -> float:
+    """An ``eps`` of ``kind`` (``"newton_schulz"`` or ``"adamw"``): ``> 0`` (:func:`positive`'s
+    message) and in its :data:`EPS_BANDS` band, else a ValueError naming the band and why."""
+    low, high, why = EPS_BANDS[kind]
     v = positive(name, value)
-    if v < MIN_ADAMW_EPS:
-        raise ValueError(
-            f"Invalid {name}={value!r}: must be >= {MIN_ADAMW_EPS:.4g} (float32's smallest normal value): a "
-            "smaller one is subnormal or zero in the float32 moments' arithmetic, where a gradient entry that "
-            "has always been 0 gives 0 / 0 = NaN"
-        )
+    if not low <= v <= high:
+        band = f"in (0, {high:g}]" if high < math.inf else f">= {low:.4g}"
+        raise ValueError(f"Invalid {name}={value!r}: must be {band}: {why}")
     return v
 
 
