@@ -34,7 +34,7 @@ gives a rank-deficient output for up to :data:`RANK_KEPT_STEPS` steps, 10 in fp3
 (every preset, plain and Gram iteration): its missing directions hold only rounding noise
 (~1e-7*|U| in fp32, ~1e-16 in fp64), which each step lifts like any small singular value, to
 below 5e-5 at 5 steps in fp32 (1e-13 in fp64) and below 1e-2 at those counts (measured at most
-9.8e-3; ``tools/measure_promises.py --rank``: ranks 1, 4 and 8 of 16x48, 48x16, 32x128 and
+9.4e-3; ``tools/measure_promises.py --rank``: ranks 1, 4 and 8 of 16x48, 48x16, 32x128 and
 64x256). Each further step multiplies the noise by the last step's ``a`` (2.3-3.4) until it
 reaches ~1, by 20 steps in fp32 and 50 in fp64: the output is then full rank and depends on the
 input's scale (a rank-4 16x48 input at 25 fp32 steps: 16 of 16 singular values near 1, the
