@@ -298,7 +298,7 @@ def test_a_non_finite_gradient_is_named_before_a_non_finite_update(caplog: pytes
     with caplog.at_level(logging.WARNING, logger="muonkit.optimizer"):
         opt.step()
     assert [r.getMessage() for r in caplog.records] == [
-        "Skipping optimizer step: non-finite gradient (skipped so far: 1)"
+        "Skipping optimizer step: non-finite gradient (or one so large the step would overflow) (skipped so far: 1)"
     ]
 
 

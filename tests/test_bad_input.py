@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import re
 from collections.abc import Iterator
 
 import pytest
@@ -110,7 +111,12 @@ def test_raise_raises_with_nothing_changed(where: str, path: str) -> None:
     opt.zero_grad()
     tiny_loss(model, 3).backward()
     _poison(model, where, float("nan"))
-    with pytest.raises(FloatingPointError, match=r"^non-finite gradient \(inf or nan\); nothing was updated$"):
+    message = (
+        "non-finite gradient (inf or nan, or finite but so large that the step would overflow its state or a "
+        "param: above ~1.8e19 in an fp32 AdamW group, ~1e31 in an fp32 Muon group; muonkit.functional.overflow); "
+        "nothing was updated"
+    )
+    with pytest.raises(FloatingPointError, match="^" + re.escape(message) + "$"):
         opt.step()
     _assert_same(before, _snapshot(model, opt))
     assert opt.skipped_steps == 0
@@ -168,16 +174,24 @@ def test_bf16_gradients_are_checked_too() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_huge_finite_gradient_is_not_mistaken_for_inf(dtype: torch.dtype) -> None:
-    """1e30 squared overflows the fast L2 check; the exact re-check must let the step through."""
+@pytest.mark.parametrize(("where", "value"), [("muon", 1e30), ("adamw", 1e19)])
+def test_huge_finite_gradient_is_not_mistaken_for_inf(dtype: torch.dtype, where: str, value: float) -> None:
+    """A gradient whose squares overflow the fast L2 check (1e30 once, or 1e19 in every entry), but
+    below its group's overflow limit (~1e31 for Muon's momentum, ~1.8e19 for AdamW's second
+    moment): the exact re-check must let the step through. (An AdamW gradient of 1e30 is above
+    its limit: its square would make exp_avg_sq inf; ``tests/test_overflow.py``.)"""
     model, opt = _setup("raise", dtype=dtype)
     opt.zero_grad()
     tiny_loss(model).backward()
-    _poison(model, "adamw", 1e30)
-    before = model.norm.bias.detach().clone()
+    _poison(model, where, value)
+    weight = {"muon": model.up.weight, "adamw": model.norm.bias}[where]
+    if where == "adamw":
+        weight.grad.fill_(value)  # type: ignore[union-attr]
+    before = weight.detach().clone()
     opt.step()
     assert opt.skipped_steps == 0
-    assert not torch.equal(before, model.norm.bias) and torch.isfinite(model.norm.bias).all()
+    assert not torch.equal(before, weight) and torch.isfinite(weight).all()
+    assert all(torch.isfinite(v).all() for state in opt.state.values() for v in state.values())
 
 
 def test_invalid_nonfinite_policy() -> None:

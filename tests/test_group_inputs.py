@@ -167,7 +167,12 @@ UNKNOWN: list[tuple[str, Any, str]] = [
     ("ns_step", 3, " (did you mean 'ns_steps'?)"),
     ("adjust_lr_fn", "original", " (did you mean 'adjust_lr'?)"),
     ("momentun", 0.9, " (did you mean 'momentum'?)"),
-    ("adamw_lr", 1e-3, " (did you mean 'lr'?)"),
+    (
+        "adamw_lr",
+        1e-3,
+        " (adamw_lr is HybridMuon's default for 'adamw' groups, not a group key: a group with algorithm='adamw' "
+        "sets it as 'lr'; 'lr' in a 'muon' group would set that group's own lr)",
+    ),
     ("beta1", 0.9, " (did you mean 'betas'?)"),
     ("maximize", True, " (torch.optim's maximize option is not supported)"),
     ("foreach", False, " (torch.optim's foreach option is not supported)"),
@@ -190,7 +195,8 @@ def test_unknown_group_key_at_construction(key: str, value: Any, hint: str) -> N
 
 @pytest.mark.parametrize(("key", "value", "hint"), UNKNOWN, ids=UNKNOWN_IDS)
 def test_unknown_group_key_added_later_changes_nothing(key: str, value: Any, hint: str) -> None:
-    opt = muonkit.Muon([nn.Parameter(torch.randn(4, 4))])
+    # muonkit.Muon takes torch.optim.Muon's adjust_lr_fn in a group (test_group_keys.py); HybridMuon does not
+    opt = (muonkit.HybridMuon if key == "adjust_lr_fn" else muonkit.Muon)([nn.Parameter(torch.randn(4, 4))])
     with pytest.raises(ValueError, match=_unknown(key, " in param group 1", hint)):
         opt.add_param_group({"params": [nn.Parameter(torch.randn(4, 4))], key: value})
     assert len(opt.param_groups) == 1

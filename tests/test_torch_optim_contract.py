@@ -115,7 +115,6 @@ def _shared_errors(device: str, dtype: torch.dtype) -> list[ErrorOptimizerInput]
         _error([torch.rand(2, 3, dtype=torch.complex64)], {}, ValueError, "complex params are not supported"),
         _error([torch.rand(4)], {}, ValueError, "contains tensors with < 2 dims"),
         _error([{"params": [torch.rand(2, 3)], "ns_step": 3}], {}, ValueError, r"Unknown key 'ns_step' .*'ns_steps'"),
-        _error([{"params": [torch.rand(2, 3)], "adjust_lr_fn": "original"}], {}, ValueError, r"'adjust_lr'\?"),
         _error([(1, torch.rand(2, 3))], {}, TypeError, r"named params must be \(str, tensor\) pairs"),
         _error([torch.rand(2, 3), "x"], {}, TypeError, "optimizer can only optimize Tensors"),
         _error({"params": [torch.rand(2, 3)]}, {}, TypeError, "but one of the params is str"),
@@ -129,6 +128,8 @@ def _muon_errors(device: str, dtype: torch.dtype) -> list[ErrorOptimizerInput]:
     return [
         *_shared_errors(device, dtype),
         _error([torch.rand(2, 3)], {"adjust_lr_fn": "arbitrary"}, ValueError, "Invalid adjust_lr='arbitrary'"),
+        # torch.optim.Muon takes adjust_lr_fn in a group too: so does muonkit.Muon, with the same check
+        _error([{"params": [torch.rand(2, 3)], "adjust_lr_fn": "arbitrary"}], {}, ValueError, "Invalid adjust_lr="),
         _error([{"params": [torch.rand(4)], "algorithm": "adamw"}], {}, ValueError, "takes Muon groups only"),
     ]
 
@@ -137,6 +138,7 @@ def _hybrid_errors(device: str, dtype: torch.dtype) -> list[ErrorOptimizerInput]
     return [
         *_shared_errors(device, dtype),
         _error([torch.rand(2, 3)], {"nonfinite": "ignore"}, ValueError, "Invalid nonfinite='ignore'"),
+        _error([{"params": [torch.rand(2, 3)], "adjust_lr_fn": "original"}], {}, ValueError, r"'adjust_lr'\?"),
         _error([{"params": [torch.rand(4)], "algorithm": "sgd"}], {}, ValueError, "Invalid algorithm='sgd'"),
         _error([_nan_grad()], {"nonfinite": "raise"}, FloatingPointError, "non-finite gradient", on_step=True),
     ]

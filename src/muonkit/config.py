@@ -19,11 +19,11 @@ from muonkit.functional.lr_scaling import ADJUST_LR_CHOICES
 from muonkit.functional.matrices import LAYOUT_KINDS, MatrixLayout
 from muonkit.functional.muon import NSOptions
 from muonkit.functional.orthogonalize import METHODS, default_compute_dtype, orthogonalization_flops
+from muonkit.functional.validation import eps as _eps
 from muonkit.functional.validation import flag as _bool
 from muonkit.functional.validation import nonneg as _nonneg
 from muonkit.functional.validation import ns_dtype as _ns_dtype
 from muonkit.functional.validation import ns_steps as _ns_steps
-from muonkit.functional.validation import positive as _positive
 from muonkit.functional.validation import positive_int as _positive_int
 from muonkit.functional.validation import real
 from muonkit.functional.validation import unit as _unit
@@ -50,11 +50,18 @@ GROUP_KEYS: tuple[str, ...] = (
     *SCHEDULER_KEYS,
 )
 """Every key a param group handed to :class:`muonkit.HybridMuon` may have."""
-KEY_ALIASES = {
-    "adjust_lr_fn": "adjust_lr",  # torch.optim.Muon
-    "adamw_lr": "lr", "adamw_eps": "eps", "adamw_weight_decay": "weight_decay",  # HybridMuon's keywords
-    "beta1": "betas", "beta2": "betas",
+KEY_ALIASES = {"adjust_lr_fn": "adjust_lr", "beta1": "betas", "beta2": "betas"}  # torch.optim.Muon, AdamW's parts
+GROUP_DEFAULT_KEYWORDS = {
+    "adamw_lr": ("lr", "adamw"), "adamw_eps": ("eps", "adamw"), "adamw_weight_decay": ("weight_decay", "adamw"),
+    "normuon_beta2": ("beta2", "normuon"), "normuon_eps": ("eps", "normuon"),
 }  # fmt: skip
+"""HybridMuon's keywords that are the defaults of one algorithm's groups: ``{keyword: (its key in a
+group of that algorithm, the algorithm)}``."""
+OPTIMIZER_KEYWORDS = ("nonfinite", "capturable", "process_group", "strategy")
+"""HybridMuon's keywords that hold for the whole optimizer: no group may set them."""
+TORCH_ADJUST_LR = {None: "keller", "original": "keller", "match_rms_adamw": "match_adamw"}
+"""torch.optim.Muon's ``adjust_lr_fn`` values as muonkit's ``adjust_lr`` (torch's None is its
+``"original"``): :class:`muonkit.Muon` takes them as keyword and as group key."""
 ADJUST_LR_ALIASES = {
     "original": ("keller", "torch.optim.Muon"), "match_rms_adamw": ("match_adamw", "torch.optim.Muon"),
     "rms_norm": ("match_adamw", "dion"), "spectral_norm": ("spectral", "dion"),
@@ -222,7 +229,7 @@ def _muon_config(g: Mapping[str, Any], algorithm: str = "muon") -> MuonConfig:
         nesterov=_bool("nesterov", g["nesterov"]),
         ns_coefficients=ns_coefficients,
         ns_steps=ns_steps,
-        eps=_positive("eps", g["eps"]),
+        eps=_eps("eps", g["eps"], kind="newton_schulz"),
         weight_decay=_nonneg("weight_decay", g["weight_decay"]),
         adjust_lr=adjust_lr,
         layout=MatrixLayout(layout, split_sizes),
@@ -258,24 +265,29 @@ def _adamw_config(g: Mapping[str, Any]) -> AdamWConfig:
         lr=_nonneg("lr", g["lr"]),
         beta1=_unit("betas[0]", betas[0]),
         beta2=_unit("betas[1]", betas[1]),
-        eps=_positive("eps", g["eps"]),
+        eps=_eps("eps", g["eps"], kind="adamw"),
         weight_decay=_nonneg("weight_decay", g["weight_decay"]),
         cautious_wd=_bool("cautious_wd", g.get("cautious_wd", DEFAULTS.cautious_wd)),
     )
 
 
-def check_group_keys(group: Mapping[str, Any], where: str = "", *, allowed: Sequence[str] = GROUP_KEYS) -> None:
+def check_group_keys(
+    group: Mapping[str, Any], where: str = "", *, allowed: Sequence[str] = GROUP_KEYS, algorithm: Any = None
+) -> None:
     """Refuse keys a param group does not know: a typo would otherwise train on the default silently.
 
     ``where`` completes the message (``" in param group 2"``). The message names the closest known
-    key: torch's names (``adjust_lr_fn`` -> ``adjust_lr``) and misspellings (``ns_step`` -> ``ns_steps``).
+    key: torch's names (``adjust_lr_fn`` -> ``adjust_lr``), misspellings (``ns_step`` ->
+    ``ns_steps``), HybridMuon's keywords by what they are in a group of ``algorithm`` (the
+    group's own ``algorithm`` if it has one; None: Muon's, the default).
     """
     unknown = [k for k in group if k not in allowed]
     if unknown:
         key = unknown[0]
+        algorithm = group.get("algorithm", algorithm)
         raise ValueError(
-            f"Unknown key {key!r}{where}{key_hint(key, allowed)}: Muon groups take {MUON_KEYS}, "
-            f"NorMuon groups also 'beta2', AdamW groups {ADAMW_KEYS}"
+            f"Unknown key {key!r}{where}{key_hint(key, allowed, algorithm=algorithm)}: Muon groups take "
+            f"{MUON_KEYS}, NorMuon groups also 'beta2', AdamW groups {ADAMW_KEYS}"
         )
 
 
@@ -322,12 +334,22 @@ def _same(a: Any, b: Any) -> bool:
         return False
 
 
-def key_hint(key: Any, allowed: Sequence[str]) -> str:
-    """`` (did you mean 'adjust_lr'?)`` and the like for an unknown ``key``, or ``""``."""
+def key_hint(key: Any, allowed: Sequence[str], *, algorithm: Any = None) -> str:
+    """`` (did you mean 'adjust_lr'?)`` and the like for an unknown ``key``, or ``""``; ``algorithm``:
+    the group's, for the keywords that set one algorithm's groups (None: a Muon group's)."""
     if not isinstance(key, str):
         return ""
-    if key == "capturable":
-        return " (capturable is an optimizer keyword, not a group key: HybridMuon(..., capturable=True))"
+    if key in OPTIMIZER_KEYWORDS and key not in allowed:
+        return f" ({key} is an optimizer keyword, not a group key: HybridMuon(..., {key}=...) sets it for every group)"
+    if key in GROUP_DEFAULT_KEYWORDS and key not in allowed:
+        name, owner = GROUP_DEFAULT_KEYWORDS[key]
+        if algorithm == owner and name in allowed:
+            return f" (did you mean {name!r}?)"
+        here = f"an {algorithm!r}" if algorithm == "adamw" else f"a {algorithm or 'muon'!r}"
+        return (
+            f" ({key} is HybridMuon's default for {owner!r} groups, not a group key: a group with "
+            f"algorithm={owner!r} sets it as {name!r}; {name!r} in {here} group would set that group's own {name})"
+        )
     if key in TORCH_ONLY_KEYS:
         return f" (torch.optim's {key} option is not supported)"
     if key in KEY_ALIASES and KEY_ALIASES[key] in allowed:

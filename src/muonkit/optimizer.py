@@ -25,6 +25,7 @@ from torch.optim import Optimizer
 from muonkit.config import (
     DEFAULTS,
     MATRIX_ALGORITHMS,
+    TORCH_ADJUST_LR,
     TORCH_MUON_DEFAULTS,
     AdamWConfig,
     MuonConfig,
@@ -43,6 +44,7 @@ from muonkit.functional.muon import momentum_, momentum_masked_, muon_apply_, mu
 from muonkit.functional.normuon import normuon_rows
 from muonkit.functional.orthogonalize import host_read_waits
 from muonkit.functional.validation import nonneg
+from muonkit.limits import GroupLimits, exp_avg_limit, within_flags, within_on_host, work_dtype
 from muonkit.shapes import full_shape
 
 logger = logging.getLogger(__name__)
@@ -127,7 +129,10 @@ class HybridMuon(Optimizer):
         nonfinite: what a non-finite gradient or Muon update (direction after orthogonalization,
             e.g. from a diverging Newton-Schulz schedule) does. ``"skip"`` (default): the whole
             step is skipped on every group and rank, a warning is logged and ``skipped_steps``
-            counts it; costs one norm pass over the gradients and directions and one blocking
+            counts it. A finite gradient so large that the step would overflow its state (or,
+            in groups whose settings could overflow a param, a param at its dtype's edge)
+            counts as non-finite (:mod:`muonkit.limits`), so every state a step writes loads;
+            costs one norm pass over the gradients and directions and one blocking
             read of the device per step (the verdict, read after all of the step's Muon updates
             are launched; on the CPU reads wait for nothing; distributed strategies check that
             ranks agree on the host and read nothing more). With a preset's schedule each chunk
@@ -135,7 +140,8 @@ class HybridMuon(Optimizer):
             a custom ``ns_coefficients`` schedule (which may diverge) every Muon direction is
             held until the verdict (one fp32 copy of the local Muon params). ``"raise"``:
             ``FloatingPointError`` before anything changes. ``"unchecked"``: no check and no
-            read; each chunk is applied as soon as it is computed.
+            read; each chunk is applied as soon as it is computed (a gradient above the limits
+            may then leave inf in the state, which ``load_state_dict`` refuses).
         capturable: a step with no host read, for ``torch.compile`` of the whole step and CUDA
             graphs (see "Capturable step" below). Needs ``nonfinite="unchecked"`` and one device
             (the single-device strategy).
@@ -153,7 +159,7 @@ class HybridMuon(Optimizer):
     (``fill_``); a number assigned to ``group["lr"]`` is checked and copied into the group's
     tensor at the next step (refused during a CUDA graph capture; under ``torch.compile`` it
     recompiles). Values written into the tensors are not checked (that would read them). Results
-    equal the plain step's, bit for bit on CPU. Non-finite checks read a verdict on the host,
+    equal the plain step's, bit for bit on CPU (0-dim params included). Non-finite checks read a verdict on the host,
     hence ``nonfinite="unchecked"``; check gradients before the step instead (e.g.
     ``torch.amp.GradScaler``). Distributed strategies run collectives with host-side bookkeeping
     and are refused. ``torch.compile(opt.step)`` compiles the step as one graph; an lr
@@ -215,6 +221,7 @@ class HybridMuon(Optimizer):
             )
         if nonfinite not in NONFINITE_CHOICES:
             raise ValueError(f"Invalid nonfinite={nonfinite!r}: must be one of {NONFINITE_CHOICES}")
+        _check_strategy(strategy)
         _check_capturable(capturable, nonfinite, process_group, strategy)
         if process_group is not None and strategy is None and not _distributed_initialized():
             raise ValueError(
@@ -257,6 +264,7 @@ class HybridMuon(Optimizer):
         hands ``step()`` flat partitions): :mod:`muonkit.integrations.deepspeed` calls this once
         the engine exists. Existing states must already be laid out as ``strategy.local`` expects.
         """
+        _check_strategy(strategy, required=True)
         self._strategy = strategy
 
     def _strategy_for_step(self, has_grad: list[bool], settings: Callable[[], Sequence[Any]]) -> Strategy:
@@ -393,7 +401,7 @@ class HybridMuon(Optimizer):
             # masked on the device by that verdict (where reads wait for the device) and by its own
             # directions' finiteness (a guard). The one blocking read comes after every Muon
             # update is launched; AdamW, which keeps its step counts on the host, follows it.
-            stream = self._stream(work)
+            stream = self._stream(work, configs)
             if stream is None:  # decided on the host: skip
                 strategy.end_step()
                 return loss
@@ -401,7 +409,7 @@ class HybridMuon(Optimizer):
             # Held (a custom schedule, which may diverge): every direction is computed and held
             # before the verdict, so a non-finite one anywhere leaves everything untouched.
             chunks = [list(c) for c in chunks]
-            if not self._finite_or_skip(work, cast(list[list[_MuonChunk]], chunks)):
+            if not self._finite_or_skip(work, configs, cast(list[list[_MuonChunk]], chunks)):
                 strategy.end_step()
                 return loss
         after: list[tuple[list[Tensor], AdamWConfig, tuple[float | Tensor, float | Tensor]]] = []
@@ -501,30 +509,56 @@ class HybridMuon(Optimizer):
                 raise RuntimeError("HybridMuon does not support complex params or gradients")
         return params
 
-    def _finite_or_skip(self, work: list[list[Tensor]], chunks: list[list[_MuonChunk]]) -> bool:
-        """Whether to apply the step: every gradient and every Muon direction finite on every rank.
+    def _finite_or_skip(
+        self, work: list[list[Tensor]], configs: list[MuonConfig | AdamWConfig], chunks: list[list[_MuonChunk]]
+    ) -> bool:
+        """Whether to apply the step: every gradient within its limit (:meth:`_checked_inputs`) and
+        every Muon direction finite, on every rank.
 
         One agreement for both (one tiny all-reduce when distributed) and, on accelerators, one
-        blocking read: the verdict is computed on the device (:func:`_finite_flags`) and read once.
+        blocking read: the verdict is computed on the device (:func:`~muonkit.limits.within_flags`)
+        and read once.
         """
-        grads = [self.strategy.local(cast(Tensor, p.grad)) for params in work for p in params]
-        if not grads:
+        inputs, limits = self._checked_inputs(work, configs)
+        if not inputs:
             return True
         directions = [d for group in chunks for chunk in group for d in chunk.directions]
-        grads_ok, updates_ok = self.strategy.all_true(_finite_flags([grads, directions]))
+        flags = within_flags([inputs, directions], [limits, _finite_limits(directions)])
+        grads_ok, updates_ok = self.strategy.all_true(flags)
         return self._verdict(grads_ok, updates_ok)
 
-    def _stream(self, work: list[list[Tensor]]) -> _Stream | None:
+    def _checked_inputs(
+        self, work: list[list[Tensor]], configs: list[MuonConfig | AdamWConfig]
+    ) -> tuple[list[Tensor], list[float]]:
+        """The tensors a checked step's verdict compares, and their limits (:mod:`muonkit.limits`):
+        every local gradient, and the local params of groups whose settings could overflow one."""
+        local, inputs, limits = self.strategy.local, [], []
+        for config, params in zip(configs, work, strict=True):
+            group = GroupLimits(config)
+            for p in params:
+                grad = local(cast(Tensor, p.grad))
+                inputs.append(grad)
+                limits.append(group.gradient(state_dtype=self._state_dtype(p), grad_dtype=grad.dtype))
+            for p in params:
+                shapes = self.strategy.whole_shapes(p) if isinstance(config, MuonConfig) else []
+                limit = group.param(shapes=shapes, param_dtype=p.dtype)
+                if limit is not None:
+                    inputs.append(local(p))
+                    limits.append(limit)
+        return inputs, limits
+
+    def _stream(self, work: list[list[Tensor]], configs: list[MuonConfig | AdamWConfig]) -> _Stream | None:
         """The streamed step's verdict on the gradients, on every rank (no read where reads wait).
 
-        Where reads are free (the CPU) it is read now: a non-finite gradient skips (or raises)
-        before anything is computed, and None is returned on a skip. Elsewhere it stays on the
-        device as the mask of every Muon commit, and :meth:`_stream_outcome` reads it.
+        Where reads are free (the CPU) it is read now: a non-finite gradient (or one above its
+        limit) skips (or raises) before anything is computed, and None is returned on a skip.
+        Elsewhere it stays on the device as the mask of every Muon commit, and
+        :meth:`_stream_outcome` reads it.
         """
-        grads = [self.strategy.local(cast(Tensor, p.grad)) for params in work for p in params]
-        if not grads:
+        inputs, limits = self._checked_inputs(work, configs)
+        if not inputs:
             return _Stream()
-        start = self.strategy.reduce_flags(_finite_flags([grads]))  # [gradients finite, values agree]
+        start = self.strategy.reduce_flags(within_flags([inputs], [limits]))  # [gradients within, values agree]
         if host_read_waits(start.device):
             return _Stream(start=start, mask=start.all(), finite=torch.ones((), dtype=torch.bool, device=start.device))
         grads_ok, values_ok = start.tolist()
@@ -559,13 +593,20 @@ class HybridMuon(Optimizer):
         return True
 
     def _verdict(self, grads_ok: bool, updates_ok: bool) -> bool:
-        """Whether to apply the step; on a non-finite gradient or update, raise or count and log the skip."""
+        """Whether to apply the step; on a non-finite gradient or update, raise or count and log the skip.
+
+        ``grads_ok`` is False also for a finite gradient (or param) above its limit, which would
+        overflow the step's state or params (:mod:`muonkit.limits`); on an accelerator the one
+        read of the verdict cannot tell which, so neither message does."""
         if grads_ok and updates_ok:
             return True
         what = "gradient" if not grads_ok else "Muon update from finite gradients"
         if self.nonfinite == "raise":
-            raise FloatingPointError(f"non-finite {what} (inf or nan); nothing was updated")
+            raise FloatingPointError(
+                f"non-finite {what} (inf or nan{_OVERFLOW if not grads_ok else ''}); nothing was updated"
+            )
         self.skipped_steps += 1
+        what = "gradient (or one so large the step would overflow)" if not grads_ok else what
         logger.warning("Skipping optimizer step: non-finite %s (skipped so far: %d)", what, self.skipped_steps)
         return False
 
@@ -799,7 +840,7 @@ class HybridMuon(Optimizer):
                 rows = functools.partial(_row_count, whole_shapes=whole_shapes, layout=config.layout)
             for p, pid in zip(group["params"], saved["params"], strict=True):
                 state = state_dict["state"].get(pid)
-                _check_param_state(state, p, algorithm, gi, index, local=local, rows=rows)
+                _check_param_state(state, p, algorithm, gi, index, local=local, rows=rows, config=config)
                 index += 1
         return {**state_dict, "param_groups": groups}
 
@@ -837,7 +878,7 @@ class _Stream:
         finiteness, recorded in :attr:`finite`), or on the host, where reads are free, a bool."""
         nonempty = [d for d in directions if d.numel() > 0]
         if self.mask is None:
-            fine = not nonempty or _finite_on_host(nonempty)
+            fine = not nonempty or within_on_host(nonempty, _finite_limits(nonempty))
             if not fine and self.bad_chunks is not None:
                 self.bad_chunks += 1
             return fine
@@ -854,8 +895,27 @@ def _bounded(config: MuonConfig) -> bool:
     return is_preset_schedule(options.coefficients, steps=options.steps)
 
 
+_OVERFLOW = (
+    ", or finite but so large that the step would overflow its state or a param: above ~1.8e19 in an fp32 "
+    "AdamW group, ~1e31 in an fp32 Muon group; muonkit.functional.overflow"
+)
+"""What else a gradient verdict of "non-finite" covers (:mod:`muonkit.limits`)."""
+
 _RATES = ("lr", "weight_decay")
 """The hyperparameters a capturable optimizer holds as device tensors (what schedules change)."""
+
+
+def _check_strategy(strategy: Any, *, required: bool = False) -> None:
+    """A strategy is a :class:`muonkit.distributed.Strategy` (or None: chosen at the first step)."""
+    if isinstance(strategy, Strategy) or (strategy is None and not required):
+        return
+    allowed = "a muonkit.distributed.Strategy" + (
+        "" if required else " or None (chosen from the params at the first step)"
+    )
+    raise TypeError(
+        f"Invalid strategy={strategy!r}: must be {allowed}, e.g. muonkit.distributed.SingleDeviceStrategy() "
+        "or ReplicatedStrategy(process_group); for DDP pass process_group= instead"
+    )
 
 
 def _check_capturable(capturable: Any, nonfinite: str, process_group: Any, strategy: Strategy | None) -> None:
@@ -936,55 +996,9 @@ def _commit_batches(chunks: Iterable[_MuonChunk]) -> Iterator[list[_MuonChunk]]:
         yield [chunk]
 
 
-def _finite_flags(lists: Sequence[Sequence[Tensor]]) -> Tensor:
-    """For each list of tensors, whether every element of every tensor is finite: a bool vector.
-
-    On accelerators (:func:`~muonkit.functional.orthogonalize.host_read_waits`) it is computed on
-    the device and nothing is read: per list and device one max-abs (``_foreach_norm(ord=inf)``,
-    exact, as fast as any reduction there); the vector lives on the first such device. On the
-    CPU, where reads are free, :func:`_finite_on_host`. Empty tensors (a rank's empty FSDP2
-    shards) are finite.
-    """
-    flags: list[bool | list[Tensor]] = []
-    for ts in lists:
-        by_device: dict[torch.device, list[Tensor]] = {}
-        for t in ts:
-            if t.numel() > 0:
-                by_device.setdefault(t.device, []).append(t)
-        host = [xs for device, xs in by_device.items() if not host_read_waits(device)]
-        if not all(_finite_on_host(xs) for xs in host):
-            flags.append(False)
-            continue
-        flags.append(
-            [
-                torch.stack(torch._foreach_norm(xs, float("inf"))).max().lt(math.inf)  # NaN and inf: False
-                for device, xs in by_device.items()
-                if host_read_waits(device)
-            ]
-        )
-    devices = [f[0].device for f in flags if isinstance(f, list) and f]
-    if not devices:
-        return torch.tensor([f is not False for f in flags])
-    parts = [
-        torch.tensor(f, device=devices[0])
-        if isinstance(f, bool)
-        else torch.stack([x.to(devices[0]) for x in f]).all()
-        if f
-        else torch.tensor(True, device=devices[0])
-        for f in flags
-    ]
-    return torch.stack(parts)
-
-
-def _finite_on_host(ts: Sequence[Tensor]) -> bool:
-    """Whether every element is finite, with host reads (free on the CPU): one fused L2 norm per
-    tensor and one read; only if a norm is not finite, the exact check (min and max per tensor),
-    so a finite tensor whose sum of squares overflows (values above ~1e19) is never mistaken for
-    inf. ``_foreach_norm(ord=inf)`` would be exact in one pass but is several times slower on CPU
-    (BENCHMARKS.md)."""
-    if all(torch.stack(torch._foreach_norm(list(ts))).isfinite().tolist()):
-        return True
-    return all(math.isfinite(float(x)) for t in ts for x in torch.aminmax(t))
+def _finite_limits(ts: Sequence[Tensor]) -> list[float]:
+    """Limits that pass exactly the finite values (:func:`~muonkit.limits.within_flags`)."""
+    return [torch.finfo(t.dtype).max for t in ts]
 
 
 def _check_state_fits(state: Mapping[str, Any], p: Tensor, local: Callable[[Tensor], Tensor], group: int) -> None:
@@ -1120,9 +1134,11 @@ def _check_param_state(
     *,
     local: Callable[[Tensor], Tensor],
     rows: Callable[[Tensor], int | None] | None = None,
+    config: MuonConfig | AdamWConfig | None = None,
 ) -> None:
     """``local``: the part of a (sharded) state this rank holds, where its values are checked;
-    ``rows``: the length of a param's NorMuon row moments."""
+    ``rows``: the length of a param's NorMuon row moments; ``config``: the group's settings, which
+    bound what a step writes (:func:`_state_bound`)."""
     if not state:
         return
     expected = _STATE_KEYS[algorithm]
@@ -1146,7 +1162,8 @@ def _check_param_state(
             raise ValueError(
                 f"Saved {key} of param {index} (group {group}) has dtype {value.dtype}: must be floating point"
             )
-        _check_state_values(value if key == _ROWS else local(value), key, group, index)
+        bound = _state_bound(key, p, config)
+        _check_state_values(value if key == _ROWS else local(value), key, group, index, bound=bound)
 
 
 def _row_count(p: Tensor, *, whole_shapes: Callable[[Tensor], list[tuple[int, ...]]], layout: Any) -> int | None:
@@ -1155,9 +1172,24 @@ def _row_count(p: Tensor, *, whole_shapes: Callable[[Tensor], list[tuple[int, ..
     return sum(normuon_rows(s, layout) for s in shapes) if shapes else None
 
 
-def _check_state_values(value: Tensor, key: str, group: int, index: int) -> None:
+def _state_bound(key: str, p: Tensor, config: MuonConfig | AdamWConfig | None) -> tuple[float, str]:
+    """The largest magnitude a state ``key`` of ``p`` may hold, and why: what a checked step
+    writes (:mod:`muonkit.functional.overflow`), so that every state such a step writes loads."""
+    dtype = work_dtype(p.dtype)
+    if key == "exp_avg" and isinstance(config, AdamWConfig):
+        return exp_avg_limit(config, dtype), (
+            f"the largest a step writes with eps={config.eps:g} in {dtype} (beyond it the update may overflow)"
+        )
+    return torch.finfo(dtype).max, f"the largest {dtype} (the state's dtype)"
+
+
+def _check_state_values(
+    value: Tensor, key: str, group: int, index: int, *, bound: tuple[float, str] = (math.inf, "")
+) -> None:
     """Non-finite momentum or moments, or a negative second moment, would turn the next step's
-    update into NaN (and the params with it); refuse them at load time."""
+    update into NaN (and the params with it); refuse them at load time, and values beyond
+    ``bound`` (the largest magnitude allowed, and why), which the state's dtype cannot hold or
+    the next step could overflow on."""
     if value.numel() == 0:
         return
     low, high = (float(x) for x in torch.aminmax(value.detach()))  # NaN propagates to both
@@ -1165,6 +1197,12 @@ def _check_state_values(value: Tensor, key: str, group: int, index: int) -> None
         raise ValueError(
             f"Saved {key} of param {index} (group {group}) has non-finite values (min {low:.4g}, max {high:.4g}): "
             "must be finite"
+        )
+    limit, why = bound
+    if max(-low, high) > limit:
+        raise ValueError(
+            f"Saved {key} of param {index} (group {group}) has values up to {max(-low, high):.4g} in magnitude: "
+            f"must be within {limit:.4g}, {why}"
         )
     if key in ("exp_avg_sq", _ROWS) and low < 0:
         raise ValueError(
@@ -1177,10 +1215,15 @@ def _check_step(value: Any, group: int, index: int) -> None:
         number: Any = value.item()
     else:
         number = value
-    if isinstance(number, bool) or not isinstance(number, (int, float)) or not 0 <= number < float("inf"):
+    if isinstance(number, bool) or not isinstance(number, (int, float)) or not 0 <= number <= _STEP_MAX:
         raise ValueError(
-            f"Saved step of param {index} (group {group}) is {value!r}: must be a number >= 0 or a one-element tensor"
+            f"Saved step of param {index} (group {group}) is {value!r}: must be a number >= 0 or a one-element tensor, "
+            f"at most {_STEP_MAX:.8g} (the largest float32: the step counter's dtype)"
         )
+
+
+_STEP_MAX = torch.finfo(torch.float32).max
+"""The largest step count a state may hold: AdamW keeps it in float32 (a step at this count stays finite)."""
 
 
 class Muon(HybridMuon):
@@ -1222,9 +1265,8 @@ class Muon(HybridMuon):
                     "(torch's name and muonkit's): pass one"
                 )
             adjust_lr_fn = kwargs.pop("adjust_lr")
-        names = {None: "keller", "original": "keller", "match_rms_adamw": "match_adamw"}
         if isinstance(adjust_lr_fn, str | None):
-            adjust_lr_fn = names.get(adjust_lr_fn, adjust_lr_fn)
+            adjust_lr_fn = TORCH_ADJUST_LR.get(adjust_lr_fn, adjust_lr_fn)
         super().__init__(
             params,
             lr=lr,
@@ -1242,14 +1284,30 @@ class Muon(HybridMuon):
         return f"muonkit.Muon takes {self._for_a_model}"
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """As :meth:`HybridMuon.add_param_group`, for Muon groups only."""
+        """As :meth:`HybridMuon.add_param_group`, for Muon groups only; as in torch.optim.Muon, a
+        group may set ``adjust_lr_fn`` (torch's names or ours; muonkit's ``adjust_lr``)."""
         algorithm = param_group.get("algorithm") if isinstance(param_group, Mapping) else None
         if algorithm not in (None, "muon"):
             raise ValueError(
                 f"muonkit.Muon takes Muon groups only; param group {len(self.param_groups)} is {algorithm!r}: "
                 f"it takes {self._for_a_model}"
             )
+        if isinstance(param_group, Mapping) and "adjust_lr_fn" in param_group:
+            param_group = _torch_adjust_lr(param_group, len(self.param_groups))
         super().add_param_group(param_group)
+
+
+def _torch_adjust_lr(group: Mapping[str, Any], index: int) -> dict[str, Any]:
+    """``group`` with torch.optim.Muon's ``adjust_lr_fn`` as muonkit's ``adjust_lr`` (:data:`TORCH_ADJUST_LR`)."""
+    group = dict(group)
+    value = group.pop("adjust_lr_fn")
+    if "adjust_lr" in group:
+        raise ValueError(
+            f"Param group {index} has both adjust_lr_fn and adjust_lr; they are the same setting "
+            "(torch's name and muonkit's): give one"
+        )
+    group["adjust_lr"] = TORCH_ADJUST_LR.get(value, value) if isinstance(value, str | None) else value
+    return group
 
 
 __all__ = ["NONFINITE_CHOICES", "HybridMuon", "Muon"]

@@ -50,8 +50,8 @@ def param_groups(
     if muon_algorithm not in MATRIX_ALGORITHMS:
         raise ValueError(f"Invalid muon_algorithm={muon_algorithm!r}: must be one of {MATRIX_ALGORITHMS}")
     allowed = NORMUON_KEYS if muon_algorithm == "normuon" else MUON_KEYS
-    check_group_keys(muon_options or {}, " in muon_options", allowed=allowed)
-    check_group_keys(adamw_options or {}, " in adamw_options", allowed=ADAMW_KEYS)
+    check_group_keys(muon_options or {}, " in muon_options", allowed=allowed, algorithm=muon_algorithm)
+    check_group_keys(adamw_options or {}, " in adamw_options", allowed=ADAMW_KEYS, algorithm="adamw")
     # The options win: muon_options={"weight_decay": 0.1} must not clash with the keyword.
     options = {
         "muon": {**_given(lr=lr, weight_decay=weight_decay), **(muon_options or {})},

@@ -42,6 +42,12 @@ def adamw_(
     """
     if not params:
         return
+    if isinstance(lr, Tensor) or isinstance(weight_decay, Tensor):
+        # A 0-dim tensor computes with a 0-dim rate tensor in float64 (two 0-dim operands promote);
+        # as a 1-element view it computes in its own dtype, as with the plain step's numbers.
+        params, grads, exp_avgs, exp_avg_sqs = (
+            [t.view(1) if t.dim() == 0 else t for t in ts] for ts in (params, grads, exp_avgs, exp_avg_sqs)
+        )
     torch._foreach_add_(steps, 1)
     work = [p if p.dtype == m.dtype else p.to(m.dtype) for p, m in zip(params, exp_avgs, strict=True)]
     g32 = [g if g.dtype == m.dtype else g.to(m.dtype) for g, m in zip(grads, exp_avgs, strict=True)]

@@ -29,13 +29,21 @@ singular values, so no lower bound holds; only ``truncated_top`` bounds the outp
 1.20; you 1.27).
 
 Smaller singular values are lifted towards the band but may not reach it within 5 steps
-(keller and you leave s ~ 1e-3*|U| near 0.48). In fp32 and fp64 compute exact zeros stay zero:
-a rank-deficient input gives a rank-deficient output (spurious singular values < 1e-4 at 5 steps; each further step multiplies them by up to 2.3-3.4,
-the last step's ``a``). In bf16
-they do not: rounding U to bf16 adds noise of ~2^-9*|U|, as large as the smallest singular
-values the presets are designed to lift, and it is lifted like them (a rank-1 input measured
-spurious singular values up to 0.69 with polar_express, 0.36 with keller and you;
-torch.optim.Muon's bf16 path gives 0.51 on the same input).
+(keller and you leave s ~ 1e-3*|U| near 0.48). In fp32 and fp64 compute a rank-deficient input
+gives a rank-deficient output for up to :data:`RANK_KEPT_STEPS` steps, 10 in fp32 and 26 in fp64
+(every preset, plain and Gram iteration): its missing directions hold only rounding noise
+(~1e-7*|U| in fp32, ~1e-16 in fp64), which each step lifts like any small singular value, to
+below 5e-5 at 5 steps in fp32 (1e-13 in fp64) and below 1e-2 at those counts (measured at most
+9.4e-3; ``tools/measure_promises.py --rank``: ranks 1, 4 and 8 of 16x48, 48x16, 32x128 and
+64x256). Each further step multiplies the noise by the last step's ``a`` (2.3-3.4) until it
+reaches ~1, by 20 steps in fp32 and 50 in fp64: the output is then full rank and depends on the
+input's scale (a rank-4 16x48 input at 25 fp32 steps: 16 of 16 singular values near 1, the
+result 0.6 away from that of the same input times 1e-3). No iteration that lifts small singular
+values can tell noise from a small singular value. In bf16 it does not hold even at 5 steps:
+rounding U to bf16 adds noise of ~2^-9*|U|, as large as the smallest singular values the
+presets are designed to lift, and it is lifted like them (a rank-1 input measured spurious
+singular values up to 0.69 with polar_express, 0.36 with keller and you; torch.optim.Muon's bf16
+path gives 0.51 on the same input).
 """
 
 from __future__ import annotations
@@ -49,6 +57,10 @@ from typing import Any
 from muonkit.functional.validation import is_finite_number
 
 Coefficients = tuple[float, float, float]
+
+RANK_KEPT_STEPS: dict[str, int] = {"float32": 10, "float64": 26}
+"""Up to how many steps (by compute dtype) a rank-deficient input's output stays rank-deficient:
+spurious singular values below 1e-2 with every preset (module docstring; tested)."""
 
 
 @dataclass(frozen=True)
@@ -254,3 +266,16 @@ def is_preset_schedule(coefficients: str | Sequence[Sequence[float]], *, steps: 
     except ValueError:
         return False
     return any(schedule == preset.schedule(len(schedule)) for preset in PRESETS.values())
+
+
+def output_bound(coefficients: str | Sequence[Sequence[float]], *, steps: int | None = None) -> float:
+    """A bound on the output singular values of the iteration: a preset's ``truncated_top`` (at
+    any step count; ``tests/test_orthogonalize_fuzz.py``), else the schedule's
+    :func:`worst_growth` from inputs in [0, 1] (the normalization's range)."""
+    if isinstance(coefficients, str):
+        return PRESETS[coefficients].truncated_top
+    schedule, _ = resolve_preset(coefficients, steps=steps)
+    for preset in PRESETS.values():
+        if schedule == preset.schedule(len(schedule)):
+            return preset.truncated_top
+    return worst_growth(schedule)[1]

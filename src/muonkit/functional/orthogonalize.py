@@ -88,8 +88,9 @@ def orthogonalize(
             singular-value band.
         steps: number of iterations, an int in [1, 100] (default: the preset's own, 5 for all
             built-ins).
-        eps: relative margin in the normalization ``U / ((k + eps) ||U||_F)``, a finite number
-            > 0; an all-zero matrix maps to zero.
+        eps: relative margin in the normalization ``U / ((k + eps) ||U||_F)``, in ``(0, 0.01]``
+            (:data:`~muonkit.functional.validation.MAX_NS_EPS`: up to it every preset keeps its
+            band; a larger margin shrinks every singular value); an all-zero matrix maps to zero.
         dtype: compute dtype of the matrix products, float32, bfloat16, float64 or (GPU only)
             float16 (default: :func:`default_compute_dtype`).
         method: ``"newton_schulz"`` (default) iterates on ``X``; ``"gram"`` iterates on the small
@@ -129,7 +130,7 @@ def orthogonalize_batches(
     if method not in METHODS:
         raise ValueError(f"Invalid method={method!r}: must be one of {METHODS}")
     steps = check.ns_steps("steps", steps)
-    eps = check.positive("eps", eps)
+    eps = check.eps("eps", eps, kind="newton_schulz")
     schedule, norm_factor = resolve_preset(coefficients, steps=steps, name="coefficients")
     compute = check.ns_dtype("dtype", dtype) or default_compute_dtype(first.device)
     if compute == torch.float16 and first.device.type == "cpu":

@@ -77,6 +77,47 @@ def positive(name: str, value: Any) -> float:
     return v
 
 
+MAX_NS_EPS = 1e-2
+"""The largest Newton-Schulz ``eps``, a relative margin in ``U / ((k + eps) ||U||_F)``: up to it every
+preset keeps its singular-value band on the hard inputs (measured, ``tools/measure_promises.py
+--eps``: Polar Express at 5 steps holds its [0.80, 1.20] up to 3e-2, not at 0.1, where the inputs'
+smallest kept singular values land below 0.80; Keller's and You's hold further)."""
+
+MIN_ADAMW_EPS = torch.finfo(torch.float32).tiny
+"""The smallest AdamW ``eps``: float32's smallest normal value (1.2e-38). A smaller one is
+subnormal or zero in the float32 moments' arithmetic (where hardware may flush subnormals to
+zero), and ``0 / (0 + 0)`` where a gradient entry has always been 0 makes the param NaN."""
+
+
+EPS_BANDS: dict[str, tuple[float, float, str]] = {
+    "newton_schulz": (
+        0.0,
+        MAX_NS_EPS,
+        "a relative margin in Newton-Schulz's normalization U / ((k + eps)*||U||_F); a larger one shrinks "
+        "every singular value, and the result leaves the preset's band (Polar Express from eps = 0.1) and, at "
+        "1e30, is ~1e-28",
+    ),
+    "adamw": (
+        MIN_ADAMW_EPS,
+        math.inf,
+        "float32's smallest normal value; a smaller one is subnormal or zero in the float32 moments' "
+        "arithmetic, where a gradient entry that has always been 0 gives 0 / 0 = NaN",
+    ),
+}
+"""Each ``eps``'s allowed band (``(0, high]`` or ``[low, inf)``) and why."""
+
+
+def eps(name: str, value: Any, *, kind: str) -> float:
+    """An ``eps`` of ``kind`` (``"newton_schulz"`` or ``"adamw"``): ``> 0`` (:func:`positive`'s
+    message) and in its :data:`EPS_BANDS` band, else a ValueError naming the band and why."""
+    low, high, why = EPS_BANDS[kind]
+    v = positive(name, value)
+    if not low <= v <= high:
+        band = f"in (0, {high:g}]" if high < math.inf else f">= {low:.4g}"
+        raise ValueError(f"Invalid {name}={value!r}: must be {band}: {why}")
+    return v
+
+
 def unit(name: str, value: Any) -> float:
     v = number(name, value)
     if not 0.0 <= v < 1.0:

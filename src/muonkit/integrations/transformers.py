@@ -118,7 +118,7 @@ def make_optimizer(
     """
     _check_trainer_mode(args)
     allowed = NORMUON_KEYS if muon_algorithm == "normuon" else MUON_KEYS
-    check_group_keys(muon_options, " among make_optimizer's Muon options", allowed=allowed)
+    check_group_keys(muon_options, " among make_optimizer's Muon options", allowed=allowed, algorithm=muon_algorithm)
     if process_group is None and world_size() > 1:
         process_group = torch.distributed.group.WORLD
     wd = weight_decay if weight_decay is not None else float(getattr(args, "weight_decay", DEFAULTS.weight_decay))
