@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import sys
@@ -13,6 +14,12 @@ from hypothesis import HealthCheck, settings
 
 # tests/reference.py is imported as a plain module by the tests next to it.
 sys.path.insert(0, os.path.dirname(__file__))
+
+# torch's own test utilities (imported by the torch.optim contract and mesh tests) load a hypothesis
+# profile of their own when first imported ("dev": 10 random examples), which silently replaced
+# ours for every module collected after them; import them first, so that ours is the one loaded.
+with contextlib.suppress(ImportError):  # expecttest missing: nothing loads another profile either
+    import torch.testing._internal.common_utils
 
 # Bounded and derandomized: the same examples on every CI run, no wall-clock deadline (the CPU
 # is shared, timings are noisy). HYPOTHESIS_PROFILE=deep runs more examples locally.

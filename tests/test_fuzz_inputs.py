@@ -213,3 +213,13 @@ def test_fuzzed_add_param_group_changes_nothing_when_refused() -> None:
 
     run()
     assert outcomes["accepted"] >= 5 and outcomes["refused"] >= 5, outcomes
+
+
+def test_the_ci_hypothesis_profile_is_the_one_loaded() -> None:
+    """torch.testing._internal loads its own profile on import (tests/conftest.py imports it first)."""
+    import os
+
+    import torch.testing._internal.common_utils  # noqa: F401
+
+    if os.environ.get("HYPOTHESIS_PROFILE", "ci") == "ci":
+        assert settings().max_examples == 25 and settings().derandomize, settings()
