@@ -64,8 +64,8 @@ def guard_load_checkpoint(engine: Any) -> None:
         try:
             return original(load_dir, tag, *args, **kwargs)
         except BaseException:
-            for group, saved in zip(_groups(engine), params, strict=True):
-                group["params"] = saved
+            for group, held in zip(_groups(engine), params, strict=True):
+                group["params"] = held
             raise
 
     engine.load_checkpoint = load_checkpoint
