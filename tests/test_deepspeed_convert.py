@@ -277,3 +277,29 @@ def test_module_entry_point_has_the_same_arguments(capsys: pytest.CaptureFixture
     text = " ".join(capsys.readouterr().out.split())
     assert text.startswith("usage: muonkit convert-deepspeed [-h] --world-size WORLD_SIZE --output OUTPUT")
     assert "never unpickled" in text
+
+
+@pytest.mark.parametrize(
+    ("rank", "edit", "message"),
+    [
+        (0, lambda s: s.pop("momentum_buffer"), r"rank 1 holds \['momentum_buffer'\], rank 0 \[\]"),
+        (1, lambda s: s.pop("momentum_buffer"), r"rank 1 holds \[\], rank 0 \['momentum_buffer'\]"),
+        (
+            1,
+            lambda s: s.update(momentum_buffer=torch.zeros(3, 3)),
+            r"momentum_buffer of sub-group 0 in rank 1's file has 9",
+        ),
+    ],
+    ids=["entry missing in rank 0's file", "entry missing in rank 1's file", "entry of the wrong size"],
+)
+def test_a_rank_file_with_other_state_is_refused(tmp_path: Path, rank: int, edit: Any, message: str) -> None:
+    """Converting took rank 0's state keys for every rank: an entry missing from rank 0's file was
+    dropped from the conversion without a word, one missing elsewhere raised a bare KeyError."""
+    ckpt = _checkpoint(tmp_path)
+    path = ckpt / "step2" / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+    saved = torch.load(path, weights_only=False)
+    edit(saved["optimizer_state_dict"]["optimizer_state_dict"]["state"][0])
+    torch.save(saved, path)
+    with pytest.raises(ValueError, match=message):
+        convert(ckpt, world_size=1, output=tmp_path / "out")
+    assert not (tmp_path / "out" / "step2").exists()

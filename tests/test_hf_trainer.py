@@ -80,11 +80,26 @@ def test_trainer_schedules_each_group_from_its_own_lr(tmp_path: Path) -> None:
     assert len(losses) == 4 and all(torch.isfinite(torch.tensor(losses)))
 
 
+def _inner(optimizer: Any) -> muonkit.HybridMuon:
+    return optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer
+
+
+def _states(trainer: Any) -> dict[str, torch.Tensor]:
+    """Every param and optimizer state of a trained Trainer, by ``name:key``."""
+    opt = _inner(trainer.optimizer)
+    out = {f"{n}:param": p.detach() for n, p in trainer.model.named_parameters()}
+    for n, p in trainer.model.named_parameters():
+        out |= {f"{n}:{k}": v for k, v in opt.state[p].items()}
+    return out
+
+
 def test_resume_from_checkpoint_restores_hybrid_muon_state(tmp_path: Path) -> None:
-    """4 steps in one go == 2 steps, save, resume in a fresh Trainer, 2 more steps."""
+    """4 steps in one go == 2 steps, save, resume in a fresh Trainer, 2 more steps: bit for bit, params
+    and every optimizer state (the resume-fidelity matrix's Trainer cell on one device: the Trainer
+    builds its optimizer and loads ``optimizer.pt`` before the first forward, gradients None)."""
     full = MuonTrainer(model=tiny_model(), args=training_args(tmp_path / "a"), train_dataset=TokenData())
     full.train()
-    reference = {n: p.detach().clone() for n, p in full.model.named_parameters()}
+    reference = _states(full)
 
     checkpoint = tmp_path / "a" / "checkpoint-2"
     saved = torch.load(checkpoint / "optimizer.pt", weights_only=True)
@@ -92,18 +107,27 @@ def test_resume_from_checkpoint_restores_hybrid_muon_state(tmp_path: Path) -> No
 
     resumed = MuonTrainer(model=tiny_model(), args=training_args(tmp_path / "b"), train_dataset=TokenData())
     resumed.train(resume_from_checkpoint=str(checkpoint))
-    # Tolerance: the same float32 computations in the same order; only summation-order noise.
-    for n, p in resumed.model.named_parameters():
-        torch.testing.assert_close(p.detach(), reference[n], rtol=1e-5, atol=1e-6, msg=n)
+    got = _states(resumed)
+    assert got.keys() == reference.keys()
+    assert [k for k in reference if not torch.equal(got[k], reference[k])] == []
+
+    # A corrupted state is refused (ValueError naming it) before anything trains.
+    poisoned = {**saved, "state": {pid: dict(s) for pid, s in saved["state"].items()}}
+    pid = next(pid for pid, s in poisoned["state"].items() if "momentum_buffer" in s)
+    poisoned["state"][pid]["momentum_buffer"] = poisoned["state"][pid]["momentum_buffer"].clone().fill_(float("nan"))
+    torch.save(poisoned, checkpoint / "optimizer.pt")
+    refused = MuonTrainer(model=tiny_model(), args=training_args(tmp_path / "c"), train_dataset=TokenData())
+    with pytest.raises(ValueError, match=r"Saved momentum_buffer of param .* non-finite"):
+        refused.train(resume_from_checkpoint=str(checkpoint))
 
     # With the Muon momentum zeroed in the checkpoint the result differs: the check above can fail.
     for state in saved["state"].values():
         if "momentum_buffer" in state:
             state["momentum_buffer"].zero_()
     torch.save(saved, checkpoint / "optimizer.pt")
-    fresh = MuonTrainer(model=tiny_model(), args=training_args(tmp_path / "c"), train_dataset=TokenData())
+    fresh = MuonTrainer(model=tiny_model(), args=training_args(tmp_path / "d"), train_dataset=TokenData())
     fresh.train(resume_from_checkpoint=str(checkpoint))
-    differs = any(not torch.allclose(p, reference[n], atol=1e-6) for n, p in fresh.model.named_parameters())
+    differs = any(not torch.allclose(p, reference[f"{n}:param"], atol=1e-6) for n, p in fresh.model.named_parameters())
     assert differs
 
 

@@ -34,13 +34,13 @@ from ds_common import (
     Net,
     config,
     full_params,
-    gather_state,
     muon_matrices,
     numel,
     reference,
     train,
     update_errors,
 )
+from ds_resume import refuses_corrupted_checkpoints, resume_bit_identically
 from ds_worker import Context, check, quiet_deepspeed
 
 import muonkit
@@ -299,49 +299,33 @@ def install_after_plain_deepspeed_initialize(ctx: Context) -> None:
     assert engine.load_checkpoint.__wrapped__ is not None  # install(engine) also guards checkpoint loading
 
 
-def _resume_bit_identical(ctx: Context, stage: int, name: str, **cfg_kw: Any) -> None:
-    """Save after 2 steps, train 2 more; a fresh engine loading the checkpoint must match bit for bit.
-
-    Also leaves the checkpoint and its gathered state in ``ctx.shared`` for the 1-rank load checks.
-    """
-    cfg = config(stage, **cfg_kw, scheduler={"type": "WarmupCosineLR", "params": {"total_num_steps": 10}})
-    path = ctx.shared / name
-    engine, _ = _initialize(cfg)
-    train(engine, 2)
-    engine.save_checkpoint(str(path), tag="step2")
-    saved = gather_state(engine)
-    if ctx.rank == 0:
-        torch.save(saved, ctx.shared / f"{name}.state.pt")
-    train(engine, 2, start=2)
-    first = gather_state(engine)
-    again, _ = _initialize(cfg)
-    again.load_checkpoint(str(path), tag="step2")
-    assert all(torch.equal(saved[k], v) for k, v in gather_state(again).items()), "loaded state differs"
-    train(again, 2, start=2)
-    second = gather_state(again)
-    assert first.keys() == second.keys()
-    different = [k for k in first if not torch.equal(first[k], second[k])]
-    assert not different, f"resumed run differs in {different[:5]}"
+# The resume-fidelity rows of DeepSpeed (ds_resume): fresh, used and converted resumes, and refusals.
 
 
 @check
 def zero1_checkpoint_resumes_bit_identically(ctx: Context) -> None:
-    _resume_bit_identical(ctx, 1, "zero1")
+    resume_bit_identically(ctx, 1, "zero1", _initialize)
 
 
 @check
 def zero2_bf16_checkpoint_resumes_bit_identically(ctx: Context) -> None:
-    _resume_bit_identical(ctx, 2, "zero2_bf16", bf16=True)
+    resume_bit_identically(ctx, 2, "zero2_bf16", _initialize, bf16=True)
 
 
 @check
 def bf16_optimizer_checkpoint_resumes_bit_identically(ctx: Context) -> None:
-    _resume_bit_identical(ctx, 1, "bf16_optimizer", bf16=True, fp32_accumulation=True)
+    resume_bit_identically(ctx, 1, "bf16_optimizer", _initialize, bf16=True, fp32_accumulation=True)
 
 
 @check
 def zero3_checkpoint_resumes_bit_identically(ctx: Context) -> None:
-    _resume_bit_identical(ctx, 3, "zero3")
+    resume_bit_identically(ctx, 3, "zero3", _initialize)
+
+
+@check
+def zero1_and_zero3_refuse_corrupted_checkpoints(ctx: Context) -> None:
+    refuses_corrupted_checkpoints(ctx, 1, "zero1", _initialize)
+    refuses_corrupted_checkpoints(ctx, 3, "zero3", _initialize)
 
 
 @check

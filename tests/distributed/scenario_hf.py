@@ -39,7 +39,7 @@ def muon_trainer_under_ddp(ctx: Context) -> None:
     args = transformers.TrainingArguments(
         output_dir=str(ctx.out_dir / "hf"), max_steps=STEPS, per_device_train_batch_size=4,
         gradient_accumulation_steps=2, learning_rate=1e-3, weight_decay=0.01, report_to="none",
-        save_strategy="no", use_cpu=True, logging_steps=1, seed=0, ddp_backend="gloo",
+        save_strategy="steps", save_steps=2, use_cpu=True, logging_steps=1, seed=0, ddp_backend="gloo",
     )  # fmt: skip
     trainer = MuonTrainer(model=model, args=args, train_dataset=data)
     trainer.train()
@@ -65,6 +65,13 @@ def muon_trainer_under_ddp(ctx: Context) -> None:
     assert all(torch.equal(gathered[0], g) for g in gathered[1:]), "params differ across ranks"
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
     assert len(losses) == STEPS and all(torch.isfinite(torch.tensor(losses))), losses
+
+    # Resume from the step-2 checkpoint in a fresh Trainer: the same last step, bit for bit.
+    torch.manual_seed(0)
+    resumed = MuonTrainer(model=model_from_config(config, device="cpu"), args=args, train_dataset=data)
+    resumed.train(resume_from_checkpoint=str(ctx.out_dir / "hf" / "checkpoint-2"))
+    differ = _state_differences(resumed, trainer)
+    assert not differ, differ
 
 
 FSDP_STEPS = 4
@@ -215,6 +222,29 @@ def muon_trainer_under_accelerate_fsdp2_equals_native_fully_shard(ctx: Context) 
     again = _full_weights(resumed.model)
     moved = {n: (trained[n] - again[n]).abs().max().item() for n in trained}
     assert all(d == 0.0 for d in moved.values()), moved
+    differ = _state_differences(resumed, trainer)
+    assert not differ, differ
+
+
+def _state_differences(resumed: Any, uninterrupted: Any) -> list[str]:
+    """Params and optimizer states (whole) of two Trainers that are not bit-identical (collective)."""
+    from torch.distributed.tensor import DTensor
+
+    def whole(t: Tensor) -> Tensor:
+        return t.full_tensor() if isinstance(t, DTensor) else t
+
+    def held(trainer: Any) -> dict[str, Tensor]:
+        opt = _inner(trainer.optimizer)
+        out = {}
+        for name, p in trainer.model.named_parameters():
+            out[f"{name}:param"] = whole(p.detach())
+            out |= {f"{name}:{k}": whole(v) for k, v in sorted(opt.state.get(p, {}).items())}
+        return out
+
+    mine, theirs = held(resumed), held(uninterrupted)
+    if mine.keys() != theirs.keys():
+        return [f"entries only in one: {sorted(mine.keys() ^ theirs.keys())}"]
+    return [k for k in theirs if not torch.equal(mine[k], theirs[k])]
 
 
 def _built_before_torch_distributed(build: Any) -> Any:

@@ -19,6 +19,7 @@ MODULES = [
     "scenario_optimizer",
     "scenario_training",
     "scenario_checkpoint",
+    "scenario_resume",
     "scenario_hf",
     "scenario_agreement",
     "scenario_planner",

@@ -201,9 +201,10 @@ class SavedCheckpoint:
     trusted: bool
 
     @property
-    def keys(self) -> set[str]:
-        """Every key the checkpoint holds: DCP's (tensors, and pickled values) and the values file's."""
-        return set(self.metadata.state_dict_metadata) | set(self.values or ())
+    def entries(self) -> dict[str, Any]:
+        """Every key the checkpoint holds and its DCP metadata: tensors and pickled values (DCP's
+        storage metadata), and the values file's (None)."""
+        return {**dict.fromkeys(self.values or ()), **self.metadata.state_dict_metadata}
 
     def load(self, state: dict[str, Any]) -> None:
         """Fill ``state`` (as ``dcp.load`` does: its tensors in place, its other leaves replaced).

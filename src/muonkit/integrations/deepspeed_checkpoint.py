@@ -94,6 +94,25 @@ def guard_load_checkpoint(engine: Any) -> None:
                     f"    muonkit convert-deepspeed {load_dir} --tag {resolved} --world-size {current} --output NEW_DIR\n"
                     "and load NEW_DIR (or pass load_optimizer_states=False to keep only the model weights)"
                 )
-        return original(load_dir, tag, *args, **kwargs)
+        # ZeRO-3 puts its fp32 partitions into the optimizer's groups for the load and takes them
+        # out again only when the load succeeds: a refused checkpoint left them there (one more
+        # param per group at each try, wrong at the next load or step).
+        params = _group_params(engine)
+        try:
+            return original(load_dir, tag, *args, **kwargs)
+        except BaseException:
+            for group, held in zip(_groups(engine), params, strict=True):
+                group["params"] = held
+            raise
 
     engine.load_checkpoint = load_checkpoint
+
+
+def _groups(engine: Any) -> list[dict[str, Any]]:
+    """The param groups of the optimizer inside DeepSpeed's (HybridMuon's), or none."""
+    inner = getattr(getattr(engine, "optimizer", None), "optimizer", None)
+    return list(getattr(inner, "param_groups", []))
+
+
+def _group_params(engine: Any) -> list[list[Any]]:
+    return [list(group["params"]) for group in _groups(engine)]

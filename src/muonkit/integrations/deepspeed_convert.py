@@ -205,6 +205,11 @@ def _contiguous(
         size = _partition_size(length, world)
         parts = _split(merged, size, world)
         pid = base["param_groups"][gi]["params"][0]
+        _check_states(
+            [sd["base_optimizer_state"]["state"].get(pid, {}) for sd in osd],
+            [sd["single_partition_of_fp32_groups"][gi] for sd in osd],
+            f"param group {gi}",
+        )
         merged_state = {
             k: _merge([sd["base_optimizer_state"]["state"][pid][k] for sd in osd], old_size, length)
             for k, v in base["state"].get(pid, {}).items()
@@ -260,6 +265,9 @@ def _zero3(osd: list[dict[str, Any]], shapes: list[list[Any]], world: int) -> li
     for si, (pid, group_shapes) in enumerate(zip(pids, shapes, strict=True)):
         numels = [math.prod(s) for s in group_shapes]
         tensors = {"fp32": [sd["fp32_flat_groups"][si] for sd in osd]}
+        _check_states(
+            [sd["optimizer_state_dict"]["state"].get(pid, {}) for sd in osd], tensors["fp32"], f"sub-group {si}"
+        )
         for k, v in base["state"].get(pid, {}).items():
             if _partitioned(k, v):
                 tensors[k] = [sd["optimizer_state_dict"]["state"][pid][k] for sd in osd]
@@ -270,6 +278,25 @@ def _zero3(osd: list[dict[str, Any]], shapes: list[list[Any]], world: int) -> li
             state |= {k: v for k, v in base["state"].get(pid, {}).items() if not _partitioned(k, v)}
             sd["optimizer_state_dict"]["state"][pid] = state
     return new
+
+
+def _check_states(states: list[dict[str, Any]], partitions: list[Tensor], what: str) -> None:
+    """Every rank's file holds the same state entries for ``what``, each partitioned entry laid out
+    like that rank's fp32 partition: else the checkpoint is incomplete or corrupted, and a converted
+    one would silently lose an entry (or fail later without saying why)."""
+    first = sorted(states[0])
+    for rank, (state, partition) in enumerate(zip(states, partitions, strict=True)):
+        if sorted(state) != first:
+            raise ValueError(
+                f"The optimizer state of {what} differs between rank files: rank {rank} holds {sorted(state)}, "
+                f"rank 0 {first}; the checkpoint is incomplete or corrupted"
+            )
+        for key, value in state.items():
+            if _partitioned(key, value) and value.numel() != partition.numel():
+                raise ValueError(
+                    f"The {key} of {what} in rank {rank}'s file has {value.numel()} elements, its fp32 partition "
+                    f"{partition.numel()}; the checkpoint is corrupted"
+                )
 
 
 def _partitioned(key: str, value: Any) -> bool:
