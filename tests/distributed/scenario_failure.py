@@ -28,15 +28,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from common import ParamSpec, group_dicts, initial, set_grads, shard
+from common import ParamSpec, group_dicts, initial, set_grads, shard, zero_partition
 from harness import Context, check
 from torch import Tensor, nn
 
 import muonkit
-from muonkit.distributed import SingleDeviceStrategy, collectives
+from muonkit.distributed import collectives
 from muonkit.distributed.failure import RankFailedError
-from muonkit.distributed.zero import ZeroStrategy
-from muonkit.distributed.zero_layout import contiguous_layout
 
 GROUP_TIMEOUT = datetime.timedelta(seconds=10)
 BOUND = 5.0  # seconds from entering step() to raising, on every rank (measured: 0.02-0.3 s)
@@ -61,7 +59,9 @@ class Case:
         self.group = dist.new_group(timeout=GROUP_TIMEOUT)
         self.step_index = 0
         if layout == "zero":
-            self.params, self.opt = _zero(self.group, ctx, **kwargs)
+            self.params, self.opt = zero_partition(
+                ZERO_SHAPES, rank=ctx.rank, world_size=ctx.world_size, process_group=self.group, **kwargs
+            )
         else:
             self.params, self.opt = _build(layout, self.group, **kwargs)
 
@@ -106,25 +106,6 @@ def _build(layout: str, group: Any, **kwargs: Any) -> tuple[list[nn.Parameter], 
     else:
         params = [nn.Parameter(initial(i, s)) for i, s in enumerate(SPECS)]
     return params, muonkit.HybridMuon(group_dicts(params, SPECS), process_group=group, **kwargs)
-
-
-def _zero(group: Any, ctx: Context, **kwargs: Any) -> tuple[list[nn.Parameter], muonkit.HybridMuon]:
-    numels = [math.prod(s) for s in ZERO_SHAPES]
-    layout = contiguous_layout(
-        names=[f"p{i}" for i in range(len(ZERO_SHAPES))],
-        shapes=ZERO_SHAPES,
-        offsets=[sum(numels[:i]) for i in range(len(numels))],
-        partition_size=math.ceil(sum(numels) / ctx.world_size),
-        world_size=ctx.world_size,
-    )
-    shells = [nn.Parameter(torch.zeros(s)) for s in ZERO_SHAPES]
-    opt = muonkit.HybridMuon([{"params": shells, "algorithm": "muon"}], strategy=SingleDeviceStrategy(), **kwargs)
-    flat = nn.Parameter(torch.randn(layout.numel, generator=torch.Generator().manual_seed(ctx.rank)))
-    opt.param_groups[0]["params"] = [flat]  # what DeepSpeed does once the engine exists
-    strategy = ZeroStrategy(process_group=group)
-    strategy.bind(flat, layout)
-    opt.set_strategy(strategy)
-    return [flat], opt
 
 
 def _raiser(*_: Any, **__: Any) -> Any:

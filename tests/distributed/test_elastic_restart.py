@@ -32,7 +32,8 @@ def test_a_rank_that_raises_inside_step_restarts_the_job_from_the_last_checkpoin
         "OMP_NUM_THREADS": "1",
         "TORCH_COMPILE_DISABLE": "1",
         # Workers keep their own store (rank 0's): with torchrun's agent store shared (the default),
-        # a restarted worker can read its predecessor's gloo address and fail to connect (torch 2.13).
+        # restarted workers read their predecessors' gloo addresses and failed to connect in
+        # init_process_group in 2 of 3 runs (an error, a hang; torch 2.13).
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
         "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
     }
