@@ -37,6 +37,7 @@ from muonkit.config import (
 )
 from muonkit.distributed import SingleDeviceStrategy, Strategy, select_strategy, world_size
 from muonkit.distributed.agreement import settings_of
+from muonkit.distributed.failure import every_rank
 from muonkit.foreign_state import muonkit_group
 from muonkit.functional.adamw import adamw_
 from muonkit.functional.coefficients import is_preset_schedule
@@ -373,7 +374,22 @@ class HybridMuon(Optimizer):
         All or nothing: whatever is wrong with the groups, params, gradients or states raises
         before anything changes, and unless ``nonfinite="unchecked"`` every update is computed
         and checked (on every rank) before any is applied.
+
+        Distributed, an error raised on one rank only (out of memory, a bug) reaches every rank:
+        the ranks waiting for this one raise :class:`~muonkit.distributed.failure.RankFailedError`
+        within about a second, and the process group is left out of step: restart from the last
+        checkpoint (:mod:`muonkit.distributed.failure`).
         """
+        self._step_wrote = False
+        try:
+            return self._step(closure)
+        except BaseException as error:
+            if self._strategy is not None:
+                self._strategy.step_failed(error, applied=self._step_wrote)
+            raise
+
+    def _step(self, closure: Callable[[], Any] | None) -> Any:
+        """The body of :meth:`step` (which tells the other ranks when it raises)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -585,11 +601,12 @@ class HybridMuon(Optimizer):
                 raise self.strategy.values_error()
             return self._verdict(False, True)
         if not finite:
-            raise RuntimeError(
+            error = RuntimeError(
                 "A Muon direction was non-finite although every gradient was finite (a non-finite momentum "
                 "buffer, or a bug): the step was applied except to the matrices of those directions; the "
                 "optimizer state is suspect, restore the last checkpoint"
             )
+            raise every_rank(error)  # from the verdict every rank shares
         return True
 
     def _verdict(self, grads_ok: bool, updates_ok: bool) -> bool:
@@ -601,9 +618,11 @@ class HybridMuon(Optimizer):
         if grads_ok and updates_ok:
             return True
         what = "gradient" if not grads_ok else "Muon update from finite gradients"
-        if self.nonfinite == "raise":
-            raise FloatingPointError(
-                f"non-finite {what} (inf or nan{_OVERFLOW if not grads_ok else ''}); nothing was updated"
+        if self.nonfinite == "raise":  # from the verdict every rank shares: raised alike on every rank
+            raise every_rank(
+                FloatingPointError(
+                    f"non-finite {what} (inf or nan{_OVERFLOW if not grads_ok else ''}); nothing was updated"
+                )
             )
         self.skipped_steps += 1
         what = "gradient (or one so large the step would overflow)" if not grads_ok else what
@@ -674,6 +693,7 @@ class HybridMuon(Optimizer):
             for chunk in chunks:
                 chunk.directions.clear()
             return
+        self._step_wrote = True
         if stream is not None:
             stream.created += [p for p in params if p not in self.state]
         for p, buffer in zip(params, buffers, strict=True):
@@ -713,6 +733,7 @@ class HybridMuon(Optimizer):
     ) -> None:
         if not params:
             return
+        self._step_wrote = True
         local = self.strategy.local
         exp_avgs, exp_avg_sqs, steps = [], [], []
         for p in params:

@@ -20,6 +20,7 @@ How a distributed run is compared with the single-device control on the same gra
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -183,6 +184,33 @@ def build(layout: str, zoo: Sequence[ParamSpec], **kwargs: Any) -> tuple[list[nn
     elif layout == "ddp":
         kwargs.setdefault("process_group", dist.group.WORLD)
     return params, muonkit.HybridMuon(group_dicts(params, zoo), **kwargs)
+
+
+def zero_partition(
+    shapes: Sequence[tuple[int, ...]], *, rank: int, world_size: int, process_group: Any = None, **kwargs: Any
+) -> tuple[list[nn.Parameter], muonkit.HybridMuon]:
+    """A HybridMuon stepping this rank's flat partition of params of ``shapes``, as under DeepSpeed
+    ZeRO-1/2 (a ZeroStrategy over ``process_group``, default the whole world)."""
+    from muonkit.distributed.zero import ZeroStrategy
+    from muonkit.distributed.zero_layout import contiguous_layout
+
+    numels = [math.prod(s) for s in shapes]
+    layout = contiguous_layout(
+        names=[f"p{i}" for i in range(len(shapes))],
+        shapes=list(shapes),
+        offsets=[sum(numels[:i]) for i in range(len(numels))],
+        partition_size=math.ceil(sum(numels) / world_size),
+        world_size=world_size,
+    )
+    params = [nn.Parameter(torch.zeros(s)) for s in shapes]
+    single = muonkit.distributed.SingleDeviceStrategy()
+    opt = muonkit.HybridMuon([{"params": params, "algorithm": "muon"}], strategy=single, **kwargs)
+    flat = nn.Parameter(torch.randn(layout.numel, generator=torch.Generator().manual_seed(rank)))
+    opt.param_groups[0]["params"] = [flat]  # what DeepSpeed does once the engine exists
+    strategy = ZeroStrategy(process_group=process_group)
+    strategy.bind(flat, layout)
+    opt.set_strategy(strategy)
+    return [flat], opt
 
 
 def set_grads(params: Sequence[nn.Parameter], zoo: Sequence[ParamSpec], step: int) -> None:

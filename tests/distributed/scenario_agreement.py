@@ -30,14 +30,13 @@ from common import (
     set_grads,
     snapshot,
     train_beside_single,
+    zero_partition,
 )
 from harness import Context, check
 from torch import nn
 
 import muonkit
-from muonkit.distributed import SingleDeviceStrategy, collectives
-from muonkit.distributed.zero import ZeroStrategy
-from muonkit.distributed.zero_layout import contiguous_layout
+from muonkit.distributed import collectives
 from muonkit_bench.op_counts import as_on_an_accelerator, count_ops, step_tensors
 
 LAYOUTS = ("ddp", "fsdp", "zero")
@@ -46,22 +45,7 @@ ZERO_SHAPES = [(6, 5), (0, 8), (4, 4), (8, 0), (3, 4)]  # straddling and zero-si
 
 def _zero(ctx: Context, **kwargs: Any) -> tuple[list[nn.Parameter], muonkit.HybridMuon]:
     """A HybridMuon stepping this rank's flat partition of ZERO_SHAPES, as under DeepSpeed ZeRO-1/2."""
-    numels = [math.prod(s) for s in ZERO_SHAPES]
-    layout = contiguous_layout(
-        names=[f"p{i}" for i in range(len(ZERO_SHAPES))],
-        shapes=ZERO_SHAPES,
-        offsets=[sum(numels[:i]) for i in range(len(numels))],
-        partition_size=math.ceil(sum(numels) / ctx.world_size),
-        world_size=ctx.world_size,
-    )
-    params = [nn.Parameter(torch.zeros(s)) for s in ZERO_SHAPES]
-    opt = muonkit.HybridMuon([{"params": params, "algorithm": "muon"}], strategy=SingleDeviceStrategy(), **kwargs)
-    flat = nn.Parameter(torch.randn(layout.numel, generator=torch.Generator().manual_seed(ctx.rank)))
-    opt.param_groups[0]["params"] = [flat]  # what DeepSpeed does once the engine exists
-    strategy = ZeroStrategy()
-    strategy.bind(flat, layout)
-    opt.set_strategy(strategy)
-    return [flat], opt
+    return zero_partition(ZERO_SHAPES, rank=ctx.rank, world_size=ctx.world_size, **kwargs)
 
 
 def _build(layout: str, ctx: Context, **kwargs: Any) -> tuple[list[nn.Parameter], muonkit.HybridMuon]:

@@ -13,11 +13,13 @@ import torch.distributed as dist
 from torch import Tensor
 
 from muonkit.distributed.base import Strategy, StrategyStats
+from muonkit.distributed.failure import RankFailedError
 from muonkit.distributed.replicated import ReplicatedStrategy
 from muonkit.distributed.single import SingleDeviceStrategy
 
 __all__ = [
     "DTensorStrategy",
+    "RankFailedError",
     "ReplicatedStrategy",
     "SingleDeviceStrategy",
     "Strategy",

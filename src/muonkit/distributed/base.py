@@ -105,6 +105,16 @@ class Strategy(ABC):
         """
         return None
 
+    def step_failed(self, error: BaseException, *, applied: bool) -> None:
+        """Called when ``step()`` raises ``error`` on this rank; ``applied``: whether the step had changed
+        any param or state before it. Never raises.
+
+        Communicating strategies tell the other ranks (they would wait for this one until the
+        process group's timeout) and stop stepping where the group is left out of step
+        (:mod:`muonkit.distributed.failure`). Default: nothing.
+        """
+        del error, applied
+
     def host_tensors(self) -> list[Tensor]:
         """The tensors of this strategy's latest checks that live in host memory on any device.
 

@@ -16,7 +16,7 @@ all_reduce                      ``2 (W-1)/W * size`` (the ring lower bound)
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -25,19 +25,28 @@ from torch import Tensor
 
 from muonkit.distributed import agreement
 from muonkit.distributed.base import StrategyStats
+from muonkit.distributed.failure import FailureChannel, every_rank
 
 __all__ = ["Collectives", "Pending", "flag_device", "group_of", "reduces_cpu"]
 
 
 class Pending:
-    """An async collective and the buffers it reads and writes, kept alive until :meth:`wait`."""
+    """An async collective and the buffers it reads and writes, kept alive until :meth:`wait`.
 
-    def __init__(self, work: Any, *buffers: Tensor) -> None:
+    ``waiter``: how to wait for it (:meth:`Collectives.wait`: in slices on the host, so that a
+    rank that failed inside the step releases this one); default ``work.wait()``.
+    """
+
+    def __init__(self, work: Any, *buffers: Tensor, waiter: Callable[[Any, Tensor], None] | None = None) -> None:
         self.work = work
         self.buffers = buffers
+        self.waiter = waiter
 
     def wait(self) -> None:
-        self.work.wait()
+        if self.waiter is None or not self.buffers:
+            self.work.wait()
+        else:
+            self.waiter(self.work, self.buffers[0])
         self.buffers = ()
 
 
@@ -88,6 +97,11 @@ class Collectives:
     equal on every rank (:meth:`expect_equal`) ride with the step's non-finite verdict
     (:meth:`all_ranks_true`, the step's one blocking read) or, in a step without one, are checked
     one step late from a host copy that waited for nothing (:meth:`end_step`).
+
+    A rank that raises inside a step tells the others through :attr:`channel` (the group's
+    store), and every wait on the host reads it (:meth:`wait`): the ranks waiting for it raise
+    :class:`~muonkit.distributed.failure.RankFailedError` within about a second instead of at
+    the group's timeout (:mod:`muonkit.distributed.failure`).
     """
 
     def __init__(self, group: Any, stats: StrategyStats) -> None:
@@ -103,10 +117,25 @@ class Collectives:
         self._late: tuple[str, Tensor, Any] | None = None
         self.host_buffers: list[Tensor] = []
         """The host tensors of the latest checks (for counting reads: host memory in a device run too)."""
+        self.channel = FailureChannel(group, self.rank, self.world_size)
 
     def _count(self, nbytes: float) -> None:
         self.stats.collectives += 1
         self.stats.bytes_sent += round(nbytes)
+        self.channel.issued = True
+
+    def wait(self, work: Any, tensor: Tensor) -> None:
+        """Wait for the collective ``work`` on ``tensor``: on the host in slices where it blocks the host
+        (CPU tensors: gloo, MPI, UCC), reading between them whether another rank failed inside the
+        step; a device collective (NCCL) blocks no host, so ``work.wait()`` only orders the stream."""
+        if tensor.device.type == "cpu":
+            self.channel.wait(work)
+        else:
+            work.wait()
+
+    def step_failed(self, error: BaseException, *, applied: bool) -> None:
+        """``step()`` raised ``error`` on this rank (see :meth:`FailureChannel.failed`)."""
+        self.channel.failed(error, applied=applied)
 
     @property
     def host_group(self) -> Any:
@@ -131,12 +160,12 @@ class Collectives:
         others = sum(n for j, n in enumerate(input_splits) if j != self.rank)
         self._count(others * input.element_size())
         work = dist.all_to_all_single(output, input, output_splits, input_splits, group=self.group, async_op=True)
-        return Pending(work, output, input)
+        return Pending(work, output, input, waiter=self.wait)
 
     def all_reduce(self, t: Tensor, *, op: Any, group: Any = None) -> None:
-        """Blocking in-place ``all_reduce`` (over ``group``: default, this one)."""
+        """Blocking in-place ``all_reduce`` (over ``group``: default, this one), waited for by :meth:`wait`."""
         self._count(2 * (self.world_size - 1) / self.world_size * t.numel() * t.element_size())
-        dist.all_reduce(t, op=op, group=self.group if group is None else group)
+        self.wait(dist.all_reduce(t, op=op, group=self.group if group is None else group, async_op=True), t)
 
     def expect_equal(self, name: str, values: Tensor) -> None:
         """Device ``values`` (float, any shape) every rank must hold bit for bit, checked with this
@@ -181,14 +210,16 @@ class Collectives:
 
     def values_error(self) -> Exception:
         """The error :meth:`reduce_flags`'s last flag stands for (values that differ across ranks)."""
-        return _values_differ(self._named, late=False)
+        return every_rank(_values_differ(self._named, late=False))
 
     def check_agreement(self, settings: Sequence[agreement.Setting], has_grad: Sequence[bool]) -> None:
         """Raise on every rank (never hang) unless all ranks hold the same settings and gradient
         flags (one tiny all_reduce MAX on the host; see :mod:`muonkit.distributed.agreement`).
 
-        First the values of the previous step's late check (:meth:`end_step`), if any.
+        First the values of the previous step's late check (:meth:`end_step`), if any. Opens the step
+        (the first collective of every step): a rank out of step since a failed step raises here.
         """
+        self.channel.begin()
         self._values = None
         self._check_late()
         encoded = agreement.encode(settings, has_grad)
@@ -198,7 +229,11 @@ class Collectives:
         else:
             self.host_buffers = [encoded]
         self.all_reduce(encoded, op=dist.ReduceOp.MAX, group=group)
-        agreement.check_agreement(encoded.cpu(), settings, has_grad)
+        try:
+            agreement.check_agreement(encoded.cpu(), settings, has_grad)
+        except (ValueError, RuntimeError) as e:
+            every_rank(e)  # every rank reads the same reduced vector: the group stays in step
+            raise
 
     def end_step(self) -> None:
         """After a step without a verdict: start the late check of its :meth:`expect_equal` values.
@@ -206,10 +241,14 @@ class Collectives:
         They are compared as in :meth:`reduce_flags` (no flags) where they are, and the result is
         copied to the host without waiting (``non_blocking``, pinned memory, an event); the next
         step's :meth:`check_agreement` waits for that event, which waits only for this step's
-        work, never for what was launched since.
+        work, never for what was launched since. Closes the step.
         """
-        if self._values is None:
-            return
+        if self._values is not None:
+            self._start_late_check()
+        self.channel.end()
+
+    def _start_late_check(self) -> None:
+        assert self._values is not None
         name = self._values[0]
         equal = self.reduce_flags(self._values[1].new_empty(0, dtype=torch.bool))
         host = torch.empty(equal.shape, dtype=equal.dtype, pin_memory=equal.is_cuda)
@@ -229,7 +268,7 @@ class Collectives:
         if event is not None:
             event.synchronize()
         if not all(host.tolist()):
-            raise _values_differ(name, late=True)
+            raise every_rank(_values_differ(name, late=True))
 
 
 def _backend_devices(group: Any) -> list[str]:

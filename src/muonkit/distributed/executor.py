@@ -80,6 +80,9 @@ class PlannedStrategy(Strategy):
     def end_step(self) -> None:
         self.comm.end_step()
 
+    def step_failed(self, error: BaseException, *, applied: bool) -> None:
+        self.comm.step_failed(error, applied=applied)
+
     def host_tensors(self) -> list[Tensor]:
         return list(self.comm.host_buffers)
 
