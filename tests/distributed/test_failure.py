@@ -84,7 +84,7 @@ def test_a_waiting_rank_raises_soon_after_the_failure_and_refuses_to_step_again(
     is out of step; both refuse the next step."""
     waiting, failing = _ranks(dist.HashStore())
     waiting.begin()
-    waiting.issued = True
+    waiting.issue()
     error = RuntimeError("CUDA out of memory (injected)")
 
     def fail() -> None:
@@ -106,6 +106,25 @@ def test_a_waiting_rank_raises_soon_after_the_failure_and_refuses_to_step_again(
     for rank in (waiting, failing):
         with pytest.raises(RuntimeError, match="cannot step on this process group any more: rank 1 raised"):
             rank.begin()
+
+
+def test_a_collective_the_failed_rank_had_issued_is_waited_for_not_abandoned() -> None:
+    """Rank 1 fails after issuing the step's first two collectives, while rank 0 still waits for the
+    second (it completes: rank 1 took part): rank 0 waits for it and raises nothing in this step;
+    for a third collective, which rank 1 never issued, it raises."""
+    waiting, failing = _ranks(dist.HashStore())
+    for rank in (waiting, failing):
+        rank.begin()
+        rank.issue()
+    failing.issue()
+    second = waiting.issue()
+    work = Work()
+    failing.failed(RuntimeError("bug after the exchanges"), applied=True)
+    threading.Timer(0.2, work.done.set).start()  # completes after a few slices in which the record is there
+    waiting.wait(work, second)
+    assert work.is_completed() and len(work.waits) >= 2
+    with pytest.raises(RankFailedError):
+        waiting.wait(Work(), waiting.issue())
 
 
 def test_every_rank_failing_before_the_first_collective_leaves_the_group_in_step() -> None:
@@ -130,7 +149,7 @@ def test_errors_every_rank_raises_alike_and_waiting_ranks_write_nothing() -> Non
     store = Counted()
     me, _ = _ranks(store)
     me.begin()
-    me.issued = True
+    me.issue()
     me.failed(every_rank(FloatingPointError("non-finite gradient")), applied=False)
     me.failed(RankFailedError({"rank": 1, "error": "x", "applied": True}, here=0), applied=True)
     assert store.calls == 0 and me.out_of_step is None
@@ -140,7 +159,7 @@ def test_a_rank_that_failed_after_a_collective_is_out_of_step_at_once() -> None:
     store = Counted()
     me, other = _ranks(store)
     me.begin()
-    me.issued = True
+    me.issue()
     start = time.monotonic()
     me.failed(RuntimeError("bug"), applied=True)
     assert time.monotonic() - start < 0.5  # no wait for the others: it never steps again
@@ -159,7 +178,7 @@ def test_without_a_store_waits_are_plain_and_failures_tell_nobody() -> None:
     me.begin()
     work = Work(done=True)
     me.wait(work)
-    me.issued = True
+    me.issue()
     me.failed(RuntimeError("bug"), applied=False)  # never raises
     assert me.out_of_step is not None
 

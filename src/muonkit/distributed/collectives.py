@@ -16,6 +16,7 @@ all_reduce                      ``2 (W-1)/W * size`` (the ring lower bound)
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -119,17 +120,18 @@ class Collectives:
         """The host tensors of the latest checks (for counting reads: host memory in a device run too)."""
         self.channel = FailureChannel(group, self.rank, self.world_size)
 
-    def _count(self, nbytes: float) -> None:
+    def _count(self, nbytes: float) -> int:
+        """Count a collective about to be issued; returns its number in the step (for :meth:`wait`)."""
         self.stats.collectives += 1
         self.stats.bytes_sent += round(nbytes)
-        self.channel.issued = True
+        return self.channel.issue()
 
-    def wait(self, work: Any, tensor: Tensor) -> None:
+    def wait(self, work: Any, tensor: Tensor, number: int = 0) -> None:
         """Wait for the collective ``work`` on ``tensor``: on the host in slices where it blocks the host
         (CPU tensors: gloo, MPI, UCC), reading between them whether another rank failed inside the
         step; a device collective (NCCL) blocks no host, so ``work.wait()`` only orders the stream."""
         if tensor.device.type == "cpu":
-            self.channel.wait(work)
+            self.channel.wait(work, number)
         else:
             work.wait()
 
@@ -158,14 +160,14 @@ class Collectives:
     ) -> Pending:
         """Async ``all_to_all_single`` on flat buffers; ``input_splits[j]`` elements go to rank j."""
         others = sum(n for j, n in enumerate(input_splits) if j != self.rank)
-        self._count(others * input.element_size())
+        number = self._count(others * input.element_size())
         work = dist.all_to_all_single(output, input, output_splits, input_splits, group=self.group, async_op=True)
-        return Pending(work, output, input, waiter=self.wait)
+        return Pending(work, output, input, waiter=functools.partial(self.wait, number=number))
 
     def all_reduce(self, t: Tensor, *, op: Any, group: Any = None) -> None:
         """Blocking in-place ``all_reduce`` (over ``group``: default, this one), waited for by :meth:`wait`."""
-        self._count(2 * (self.world_size - 1) / self.world_size * t.numel() * t.element_size())
-        self.wait(dist.all_reduce(t, op=op, group=self.group if group is None else group, async_op=True), t)
+        number = self._count(2 * (self.world_size - 1) / self.world_size * t.numel() * t.element_size())
+        self.wait(dist.all_reduce(t, op=op, group=self.group if group is None else group, async_op=True), t, number)
 
     def expect_equal(self, name: str, values: Tensor) -> None:
         """Device ``values`` (float, any shape) every rank must hold bit for bit, checked with this

@@ -137,8 +137,9 @@ class FailureChannel:
         self._out_of_step_key = f"{self._prefix}/out_of_step"
         self._steps = 0
         self._key: str | None = None  # the open step's key
-        self.issued = False
-        """Whether this rank issued a collective in the open step (set by ``Collectives``)."""
+        self.issued = 0
+        """How many collectives this rank issued in the open step (counted by ``Collectives``: every
+        rank in step issues the same ones, in the same order)."""
         self.out_of_step: str | None = None
         """Why this rank must not step again on this group (None: it may)."""
 
@@ -152,20 +153,34 @@ class FailureChannel:
         if self._key is None:
             self._steps += 1
             self._key = f"{self._prefix}/{_sequence_number(self._group)}/{self._steps}"
-            self.issued = False
+            self.issued = 0
 
     def end(self) -> None:
         """Close the open step (it completed, or raised)."""
         self._key = None
 
-    def wait(self, work: Any) -> None:
-        """``work.wait()``, in slices; between them, raise :class:`RankFailedError` if another rank failed."""
+    def issue(self) -> int:
+        """Count a collective this rank issues in the open step; returns its number (1, 2, ...)."""
+        self.issued += 1
+        return self.issued
+
+    def wait(self, work: Any, number: int = 0) -> None:
+        """``work.wait()``, in slices; between them, raise :class:`RankFailedError` if another rank failed.
+
+        ``number``: the collective's number in the step (:meth:`issue`). A failed rank that had
+        issued it too (its record counts the collectives it issued) takes part: it completes, so
+        this rank waits for it and learns of the failure at its next step.
+        """
         if self._store is None:
             work.wait()
             return
         wait = _FIRST_SLICE
         try:
             while not _finished_within(work, wait):
+                record = self._read(self._key) if self._key is not None else None  # failed in this step
+                if record is not None and number > 0 and _issued(record) >= number:
+                    work.wait()
+                    return
                 self._raise_if_failed(cause=None)
                 wait = min(2 * wait, _LAST_SLICE)
         except RankFailedError:
@@ -186,7 +201,12 @@ class FailureChannel:
             return
         refused = self.out_of_step is not None  # this rank stopped stepping before: it issues no collective
         self._open()  # an error before the step's first collective signals under this step's key
-        record = {"rank": self.rank, "error": f"{type(error).__name__}: {error}"[:2000], "applied": applied}
+        record = {
+            "rank": self.rank,
+            "error": f"{type(error).__name__}: {error}"[:2000],
+            "applied": applied,
+            "issued": self.issued,  # the collectives of the step it issued: those complete
+        }
         self._write(self._key, record)
         if self.issued or not isinstance(error, Exception):
             self._leave(record)  # out of step for sure (an interrupt: do not wait to find out)
@@ -225,9 +245,13 @@ class FailureChannel:
             left = self._add(key, 0)
         return left is not None and left >= self.world_size
 
-    def _raise_if_failed(self, *, cause: BaseException | None) -> None:
+    def _failure(self) -> dict[str, Any] | None:
+        """The record of a rank that failed in the open step, or of one that left the group out of step."""
         record = self._read(self._key) if self._key is not None else None
-        record = record or self._read(self._out_of_step_key)
+        return record or self._read(self._out_of_step_key)
+
+    def _raise_if_failed(self, *, cause: BaseException | None) -> None:
+        record = self._failure()
         if record is None:
             return
         self._leave(record)
@@ -279,6 +303,12 @@ def _finished_within(work: Any, wait: datetime.timedelta) -> bool:
             return False
         work.wait()  # it finished just after the slice (returns), or failed (raises its own error)
     return True
+
+
+def _issued(record: dict[str, Any]) -> int:
+    """How many collectives of the step the failed rank had issued (-1: not known)."""
+    issued = record.get("issued", -1)
+    return issued if isinstance(issued, int) and not isinstance(issued, bool) else -1
 
 
 def _store_of(group: Any) -> Any:
