@@ -24,7 +24,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 HELP = "train AdamW and HybridMuon on the same Shakespeare batches; compare loss, tokens-to-loss, time and memory"
 logger = logging.getLogger(__name__)
@@ -102,7 +102,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def build_configs(args: argparse.Namespace) -> tuple[dict[str, Any], Any]:
     """(corpus kwargs, base RunConfig) from the preset and the flags."""
     from muonkit_bench.model import GPTConfig
-    from muonkit_bench.train import RunConfig
+    from muonkit_bench.train import RunConfig, autocast_choice
 
     preset = PRESETS[args.preset]
     corpus = {"vocab_size": args.vocab_size or preset["vocab_size"], "cache_dir": args.cache_dir}
@@ -113,16 +113,6 @@ def build_configs(args: argparse.Namespace) -> tuple[dict[str, Any], Any]:
     run["autocast"] = autocast_choice(args)
     # The vocabulary is known once the corpus exists; GPTConfig is rebuilt then (main()).
     return corpus, RunConfig(model=GPTConfig(vocab_size=corpus["vocab_size"], **model), **run)
-
-
-def autocast_choice(args: argparse.Namespace) -> Literal["auto", "bf16"] | None:
-    """``RunConfig.autocast`` from ``--autocast`` and ``--no-autocast`` (also used by the sweep)."""
-    choice = getattr(args, "autocast", "auto")
-    if getattr(args, "no_autocast", False):
-        if choice == "bf16":
-            raise ValueError("Invalid flags --no-autocast with --autocast bf16: give one of them")
-        return None
-    return {"auto": "auto", "bf16": "bf16", "none": None}[choice]
 
 
 def autocast_note(requested: str | None, used: str | None) -> str:

@@ -232,8 +232,7 @@ def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
 def plan_from_args(args: argparse.Namespace, *, vocab_size: int) -> SweepPlan:
     """The preset, with any size or run flag of ``muonkit bench nanogpt`` on top."""
     from muonkit_bench.model import GPTConfig
-    from muonkit_bench.nanogpt import autocast_choice
-    from muonkit_bench.train import RunConfig
+    from muonkit_bench.train import RunConfig, autocast_choice
 
     preset = PRESETS[args.sweep]
     model = dict(preset["model"])

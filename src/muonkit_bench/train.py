@@ -29,6 +29,7 @@ Example::
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import logging
 import math
@@ -51,6 +52,7 @@ __all__ = [
     "RunConfig",
     "RunResult",
     "TrainData",
+    "autocast_choice",
     "build_optimizer",
     "evaluate",
     "lr_multiplier",
@@ -279,6 +281,16 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
         for v in state.values()
         if isinstance(v, Tensor)
     )
+
+
+def autocast_choice(args: argparse.Namespace) -> Literal["auto", "bf16"] | None:
+    """``RunConfig.autocast`` from the ``--autocast`` and ``--no-autocast`` flags (``bench nanogpt``, its sweep)."""
+    choice = getattr(args, "autocast", "auto")
+    if getattr(args, "no_autocast", False):
+        if choice == "bf16":
+            raise ValueError("Invalid flags --no-autocast with --autocast bf16: give one of them")
+        return None
+    return {"auto": "auto", "bf16": "bf16", "none": None}[choice]
 
 
 def resolve_autocast(autocast: Literal["auto", "bf16"] | None, device: str) -> Literal["bf16"] | None:

@@ -22,7 +22,7 @@ from muonkit_bench import nanogpt
 from muonkit_bench.compare import steps_to_reach
 from muonkit_bench.data import Corpus, clean_markdown, find_plays, load_corpus, split_plays
 from muonkit_bench.model import GPT, GPTConfig
-from muonkit_bench.train import RunConfig, build_optimizer, lr_multiplier, optimizer_state_bytes, train
+from muonkit_bench.train import RunConfig, autocast_choice, build_optimizer, lr_multiplier, optimizer_state_bytes, train
 
 VOCAB = 512  # the corpus fixture's (tests/bench/conftest.py)
 
@@ -238,10 +238,10 @@ def test_autocast_flags() -> None:
         ("--no-autocast", "--autocast", "none"): None,
     }  # fmt: skip
     for flags, expected in choices.items():
-        assert nanogpt.autocast_choice(parser.parse_args(list(flags))) == expected, flags
+        assert autocast_choice(parser.parse_args(list(flags))) == expected, flags
         assert nanogpt.build_configs(parser.parse_args(list(flags)))[1].autocast == expected, flags
     with pytest.raises(ValueError, match="--no-autocast with --autocast bf16"):
-        nanogpt.autocast_choice(parser.parse_args(["--no-autocast", "--autocast", "bf16"]))
+        autocast_choice(parser.parse_args(["--no-autocast", "--autocast", "bf16"]))
     with pytest.raises(ValueError, match="Invalid autocast='fp16': must be 'auto', 'bf16' or None"):
         RunConfig(model=SMALL, autocast="fp16")  # type: ignore[arg-type]
 

@@ -5,7 +5,8 @@ declared by ``qk_clip_layout`` and runs through :func:`muonkit.qk_clip.observed_
 DeepSpeed trains it with HybridMuon (set up by muonkit.integrations.deepspeed); QKClip rescales
 this rank's pieces of ``qkv`` in the flat fp32 master partitions after their update, and
 DeepSpeed copies them into the module's weights (both compared). The control: one device, HybridMuon and a QKClip
-over a one-rank group, the same micro-batches of every rank, the raw-norm gradient clip.
+over a one-rank group, the same micro-batches of every rank, the raw-norm gradient clip. What QKClip rescales is
+what ``Strategy.regions`` says each flat partition holds: checked against DeepSpeed's own gathered fp32 weights.
 """
 
 from __future__ import annotations
@@ -92,6 +93,7 @@ def zero_run_equals_one_device(stage: int) -> None:
     want, want_clipped = _reference(copy.deepcopy(init), dist.get_world_size(), singles[dist.get_rank()])
     assert want_clipped[0] > 0 and clipped == want_clipped, (clipped, want_clipped)
     got = full_params(engine)
+    _regions_are_deepspeeds_partitions(engine, got, stage)
     for name, p in want.named_parameters():
         mine, theirs = got[name], p.detach()
         if name == "qkv.bias":  # a key bias has zero gradient (softmax ignores a per-query constant): Adam
@@ -107,3 +109,22 @@ def zero_run_equals_one_device(stage: int) -> None:
     else:
         weight = module["qkv.weight"].detach()
     torch.testing.assert_close(weight, want.qkv.weight.detach(), rtol=1e-5, atol=1e-6)
+
+
+def _regions_are_deepspeeds_partitions(engine: Any, whole: dict[str, Tensor], stage: int) -> None:
+    """Each flat fp32 partition: ``regions`` lists every param of it with the span this rank stores, equal to
+    that span of DeepSpeed's gathered weight; over the ranks the spans cover every param once."""
+    strategy = engine.optimizer.optimizer.strategy
+    held = []
+    for flat in strategy.partitions:
+        regions = strategy.regions(flat)
+        assert [r.shape for r in regions] == strategy.whole_shapes(flat), f"stage {stage}"
+        for r in regions:
+            if r.region.numel:
+                part = r.part_of(flat)
+                assert torch.equal(part, r.region.read(whole[str(r.name)])), f"stage {stage} {r}"
+                held.append(r)
+    names = sorted(whole)
+    counts = torch.tensor([sum(r.region.numel for r in held if r.name == n) for n in names])
+    dist.all_reduce(counts)
+    assert counts.tolist() == [whole[n].numel() for n in names], f"stage {stage}: {counts.tolist()}"

@@ -30,6 +30,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.distributed.tensor.placement_types import _StridedShard
 
 import muonkit
+from muonkit.distributed.dtensor import DTensorStrategy
 from muonkit.distributed.dtensor_layout import mesh_group, rank_boxes, tensor_jobs
 from muonkit.distributed.pieces import local_part
 from muonkit.functional.matrices import MatrixLayout
@@ -59,6 +60,7 @@ def _check_boxes(dtensors: list[DTensor], wholes: list[Tensor], *, label: str) -
     """
     spanned = mesh_group([t.device_mesh for t in dtensors])
     me = dist.get_rank(spanned.group)
+    strategy = DTensorStrategy([t.device_mesh for t in dtensors])  # what QK-Clip asks: Strategy.regions
     held = []
     for t, whole in zip(dtensors, wholes, strict=True):
         boxes = spanned.boxes(t)
@@ -70,6 +72,9 @@ def _check_boxes(dtensors: list[DTensor], wholes: list[Tensor], *, label: str) -
         same = tuple(local.shape) == box.shape or local.numel() == box.numel == 0
         assert same, f"{what}: local {tuple(local.shape)}, box {box.shape}"
         assert torch.equal(local.reshape(-1), box.read(whole)), what
+        (region,) = strategy.regions(t)
+        assert region.shape == tuple(t.shape) and region.region == box, f"{what}: regions() gives {region}"
+        assert torch.equal(region.part_of(local).reshape(-1), box.read(whole)), what
     everyone: list[Any] = [None] * dist.get_world_size(spanned.group)
     dist.all_gather_object(everyone, [t.to_local() for t in dtensors], group=spanned.group)
     jobs = 0

@@ -5,6 +5,9 @@ Each rank runs its own micro-batch, so each rank sees other logit maxima; QKClip
 runs both micro-batches (mean loss, the same SGD) with a QKClip over a one-rank group. The models
 are cut so that FSDP2's row shards split a query head and the single key head across ranks
 (Llama, 3 heads, 1 key head, head size 6) and GPT-2's Conv1D ``c_attn`` is sharded on its input dim.
+With SGD the rows come from the strategy muonkit picks for the q/k weights, with HybridMuon from
+the optimizer's own; either way the all-reduce is counted in ``QKClip.stats``: one per step, of
+``2 (W-1)/W`` times the maxima's bytes (the Collectives rule), and none over a one-rank group.
 """
 
 from __future__ import annotations
@@ -42,11 +45,22 @@ def _batch(step: int, rank: int) -> torch.Tensor:
     return torch.randint(2, 64, (2, 12), generator=torch.Generator().manual_seed(100 * step + rank))
 
 
-def _one_device(kind: str, world_size: int, group: Any) -> tuple[nn.Module, Any, list[int]]:
+def _optimizer(model: nn.Module, optimizer: str, *, ddp: bool = False, one_device: bool = False) -> Any:
+    import muonkit
+
+    if optimizer == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=0.05)
+    extra: dict[str, Any] = {"process_group": dist.group.WORLD} if ddp else {}
+    if one_device:
+        extra = {"strategy": muonkit.distributed.SingleDeviceStrategy()}
+    return muonkit.HybridMuon(muonkit.param_groups(model), lr=0.05, adamw_lr=0.01, **extra)
+
+
+def _one_device(kind: str, world_size: int, group: Any, optimizer: str) -> tuple[nn.Module, Any, list[int]]:
     import muonkit
 
     model = _model(kind)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    opt = _optimizer(model, optimizer, one_device=True)
     clip = muonkit.QKClip(model, opt, threshold=THRESHOLD, process_group=group)
     clipped = []
     for step in range(STEPS):
@@ -59,7 +73,7 @@ def _one_device(kind: str, world_size: int, group: Any) -> tuple[nn.Module, Any,
     return model, clip, clipped
 
 
-def _compare(ctx: Context, kind: str, wrap: str) -> None:
+def _compare(ctx: Context, kind: str, wrap: str, optimizer: str = "sgd") -> None:
     import muonkit
 
     singles = [dist.new_group([r]) for r in range(ctx.world_size)]  # every rank creates every group
@@ -72,7 +86,7 @@ def _compare(ctx: Context, kind: str, wrap: str) -> None:
         for block in model.model.layers if kind == "llama" else model.transformer.h:
             fully_shard(block)
         trained = fully_shard(model)
-    opt = torch.optim.SGD(trained.parameters(), lr=0.05)
+    opt = _optimizer(model if optimizer != "sgd" else trained, optimizer, ddp=wrap == "ddp")
     clip = muonkit.QKClip(model, opt, threshold=THRESHOLD)
     seen, clipped = [], []
     for step in range(STEPS):
@@ -82,7 +96,11 @@ def _compare(ctx: Context, kind: str, wrap: str) -> None:
         opt.step()
         opt.zero_grad()
         clipped.append(clip.last_clipped_heads)
-    reference, ref_clip, ref_clipped = _one_device(kind, ctx.world_size, singles[ctx.rank])
+    reference, ref_clip, ref_clipped = _one_device(kind, ctx.world_size, singles[ctx.rank], optimizer)
+    heads = sum(m.numel() for m in clip.last_max_logits.values())
+    w = ctx.world_size
+    assert (clip.stats.collectives, clip.stats.bytes_sent) == (STEPS, STEPS * round(2 * (w - 1) / w * heads * 4))
+    assert (ref_clip.stats.collectives, ref_clip.stats.bytes_sent) == (0, 0), "a one-rank group reduces nothing"
     mine = torch.stack(seen)
     others = [torch.empty_like(mine) for _ in range(ctx.world_size)]
     dist.all_gather(others, mine)
@@ -108,3 +126,10 @@ def qk_clip_under_ddp_equals_one_device(ctx: Context) -> None:
 def qk_clip_under_fsdp2_equals_one_device(ctx: Context) -> None:
     for kind in ("llama", "gpt2"):
         _compare(ctx, kind, "fsdp2")
+
+
+@check(2)
+def qk_clip_after_hybridmuon_under_ddp_and_fsdp2_equals_one_device(ctx: Context) -> None:
+    """The rows each rank holds come from HybridMuon's strategy (ReplicatedStrategy, DTensorStrategy)."""
+    for wrap in ("ddp", "fsdp2"):
+        _compare(ctx, "llama", wrap, "muon")

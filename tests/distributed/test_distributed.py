@@ -24,6 +24,7 @@ MODULES = [
     "scenario_agreement",
     "scenario_planner",
     "scenario_qk_clip",
+    "scenario_regions",
     "scenario_failure",
 ]
 WORLD_SIZES = [2, 4, 1]  # 2 first: it writes the checkpoints the others load

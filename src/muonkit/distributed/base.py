@@ -19,6 +19,7 @@ from torch import Tensor
 
 from muonkit.config import MuonConfig
 from muonkit.distributed.agreement import Setting
+from muonkit.distributed.pieces import Box, Region
 from muonkit.functional.matrices import MatrixLayout
 from muonkit.functional.muon import NSOptions, muon_directions, normuon_directions
 from muonkit.shapes import full_shape
@@ -39,6 +40,39 @@ class StrategyStats:
 
     def reset(self) -> None:
         self.matrices = self.flops = self.bytes_sent = self.collectives = 0
+
+
+@dataclass(frozen=True)
+class Held:
+    """A part of one whole tensor, held in this rank's local tensor of a param (see :meth:`Strategy.regions`).
+
+    ``shape``: the whole tensor's shape. ``region``: which part of it: a
+    :class:`~muonkit.distributed.pieces.Box` (index runs per dimension, in local storage order: a
+    whole tensor, row or column shards, strided row sets, their products) or a
+    :class:`~muonkit.distributed.pieces.Span` (a range of its row-major flattened elements: a
+    piece of a ZeRO flat partition). ``offset``: where that part starts in the flattened local
+    tensor. ``name``: None where the param is itself the tensor (or a DTensor of it); where the
+    param stands for several tensors of the model (a DeepSpeed flat partition), the tensor's name
+    in the model DeepSpeed was given.
+
+    Example: rank 1 of ``Shard(0)`` over 2 ranks of a (5, 3) DTensor holds
+    ``Held((5, 3), Box((((3, 5),), ((0, 3),))))``: rows 3 and 4, its whole local tensor.
+    """
+
+    shape: tuple[int, ...]
+    region: Region
+    offset: int = 0
+    name: str | None = None
+
+    def part_of(self, local: Tensor) -> Tensor:
+        """The view of ``local`` (the param's local tensor) that holds :attr:`region`, in storage order:
+        shaped like a Box region (``region.shape``), flat for a Span. ``region.read(whole)`` equals its
+        ``reshape(-1)``; writing into it writes the local tensor."""
+        region = self.region
+        if isinstance(region, Box) and self.offset == 0 and tuple(local.shape) == region.shape:
+            return local
+        part = local.view(-1)[self.offset : self.offset + region.numel]
+        return part.view(region.shape) if isinstance(region, Box) else part
 
 
 class Strategy(ABC):
@@ -84,6 +118,35 @@ class Strategy(ABC):
         "not known yet" (nothing to check).
         """
         return [full_shape(param)]
+
+    def regions(self, param: Tensor) -> tuple[Held, ...]:
+        """Which part of which whole tensor this rank holds in ``param``'s local tensor (:meth:`local`).
+
+        One :class:`Held` per whole tensor of :meth:`whole_shapes` (same order, same shapes), each
+        with the part of it this rank stores (an empty region where it stores none) and where
+        that part lies in the local tensor. Listed in local storage order; the parts of non-empty
+        regions tile the local tensor (a ZeRO partition's padding and alignment gaps aside). What
+        QK-Clip rescales, and what a checkpoint would read or write, on every layout:
+
+        ============================  ==========================================================
+        strategy                      ``regions(param)``
+        ============================  ==========================================================
+        single device, replicated     the whole tensor: ``Box.full(shape)``
+        DTensor (any mesh)            this rank's box of the mesh (:mod:`.dtensor_layout`)
+        ZeRO flat partition           per param of the partition, its ``Span`` here, named
+        ============================  ==========================================================
+
+        Default (a tensor whole and local on every rank): ``Box.full`` of its shape; a ZeRO-3
+        placeholder (empty, its shape in ``ds_shape``) holds an empty box.
+
+        Example (one device)::
+
+            >>> SingleDeviceStrategy().regions(torch.zeros(4, 3))
+            (Held(shape=(4, 3), region=Box(runs=(((0, 4),), ((0, 3),))), offset=0, name=None),)
+        """
+        shape = full_shape(param)
+        whole = tuple(param.shape) == shape
+        return (Held(shape, Box.full(shape) if whole else Box(tuple(() for _ in shape))),)
 
     def check_participation(self, has_grad: Sequence[bool], settings: Callable[[], Sequence[Setting]] = list) -> None:
         """Check that all ranks step the same params with the same settings.

@@ -50,6 +50,7 @@ from torch.distributed.tensor import DTensor
 
 from muonkit.config import MuonConfig
 from muonkit.distributed.agreement import Setting
+from muonkit.distributed.base import Held
 from muonkit.distributed.dtensor_layout import mesh_group, tensor_jobs
 from muonkit.distributed.executor import PlannedStrategy
 from muonkit.distributed.pieces import Box, Job
@@ -106,6 +107,11 @@ class DTensorStrategy(PlannedStrategy):
 
     def new_state(self, param: Tensor, dtype: torch.dtype) -> Tensor:
         return torch.zeros_like(param, dtype=dtype)  # a DTensor with the param's mesh and placements
+
+    def regions(self, param: Tensor) -> tuple[Held, ...]:
+        """This rank's box of the DTensor ``param`` (its ``to_local()``, in storage order); a plain
+        param replicated beside the DTensors: the whole of it. Raises ``ValueError`` as :meth:`check_params`."""
+        return (Held(tuple(param.shape), dict(self._boxes(param))[self.comm.rank]),)
 
     def align_grads(self, params: Sequence[Tensor]) -> None:
         """A DTensor gradient placed otherwise than its param is redistributed to the param's placements.

@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 
 from muonkit.config import MuonConfig
+from muonkit.distributed.base import Held
 from muonkit.distributed.executor import PlannedStrategy
 from muonkit.distributed.pieces import At, Job, Piece, Span
 from muonkit.distributed.planner import Plan
@@ -103,6 +104,23 @@ class ZeroStrategy(PlannedStrategy):
         if entry is None or entry[0] is not param:
             return super().whole_shapes(param)
         return [p.shape for p in entry[1].params]
+
+    def regions(self, param: Tensor) -> tuple[Held, ...]:
+        """For a bound flat partition, every param of its :class:`FlatLayout` (as :meth:`whole_shapes`), named,
+        with the :class:`~muonkit.distributed.pieces.Span` of its flattened elements this rank's partition
+        holds at ``offset`` (an empty span where it holds none); any other tensor is whole and local."""
+        entry = self._layouts.get(id(param))
+        if entry is None or entry[0] is not param:
+            return super().regions(param)
+        held = []
+        for flat_param in entry[1].params:
+            piece = flat_param.piece_on(self.rank)
+            if piece is None:
+                held.append(Held(flat_param.shape, Span(0, 0), name=flat_param.name))
+            else:
+                span = Span(piece.param_offset, piece.param_offset + piece.length)
+                held.append(Held(flat_param.shape, span, piece.local_offset, flat_param.name))
+        return tuple(held)
 
     def plan(self, flat: Tensor, config: MuonConfig) -> Plan:
         """The (cached) plan of a bound flat partition under a group's matrix layout: one job per

@@ -1,7 +1,10 @@
-"""Where the query and key rows of a transformers attention module live (:class:`QKLayout` readers).
+"""Which modules of a model QK-Clip observes, and where their query and key rows live (:class:`QKLayout`).
 
-Read from the module's own attributes, so every model built on the same attention shape is
-covered, whatever its class is called:
+:func:`find_attention` takes every module with a ``qk_clip_layout()`` method (hand-written
+attention, see :func:`muonkit.qk_clip.observed_attention`) and every transformers self-attention
+module :func:`transformers_layout` can read. The transformers layouts are read from the module's
+own attributes, so every model built on the same attention shape is covered, whatever its class
+is called:
 
 ===========================  =============================================================
 attributes                   layout (H query heads, K key heads, head size d)
@@ -20,13 +23,44 @@ the norm after the projection undoes any rescale of its rows.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
 
 from muonkit.functional.qk_clip import HeadRows, QKLayout
 
-__all__ = ["transformers_layout"]
+__all__ = ["Found", "find_attention", "transformers_layout"]
+
+
+@dataclass(frozen=True)
+class Found:
+    """An attention module QK-Clip can observe: its name in the model, its layout, and whether it is
+    observed through transformers' attention interface (else it calls ``observed_attention`` itself)."""
+
+    name: str
+    module: nn.Module
+    layout: QKLayout
+    via_transformers: bool
+
+
+def find_attention(model: nn.Module) -> list[Found]:
+    """Every module of ``model`` with a ``qk_clip_layout()`` method or a transformers self-attention layout.
+
+    Raises ``TypeError`` for a ``qk_clip_layout()`` that returns no :class:`QKLayout`, ``ValueError``
+    for transformers attention it cannot clip (see :func:`transformers_layout`).
+    """
+    found = []
+    for name, module in model.named_modules():
+        declared = getattr(module, "qk_clip_layout", None)
+        if callable(declared):
+            layout = declared()
+            if not isinstance(layout, QKLayout):
+                raise TypeError(f"QKClip: {name}.qk_clip_layout() returned {type(layout).__name__}, must be a QKLayout")
+            found.append(Found(name, module, layout, False))
+        elif (layout := transformers_layout(module)) is not None:
+            found.append(Found(name, module, layout, True))
+    return found
 
 
 def transformers_layout(module: nn.Module) -> QKLayout | None:

@@ -21,7 +21,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from muonkit.qk_clip import _slot_of
+from muonkit.qk_clip.observe import slot_of
 
 __all__ = ["WRAPPED", "prepare"]
 
@@ -60,7 +60,7 @@ def _wrapper(implementation: str) -> Callable[..., Any]:
             from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
             delegate = ALL_ATTENTION_FUNCTIONS["sdpa"]
-        slot = _slot_of(module)
+        slot = slot_of(module)
         if slot is not None:
             scaling = kwargs.get("scaling", args[1] if len(args) > 1 else None)
             scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
