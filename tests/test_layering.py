@@ -68,3 +68,17 @@ def test_the_scan_sees_lazy_imports(tmp_path: Path) -> None:
     path = tmp_path / "probe.py"
     path.write_text("def main():\n    from muonkit.cli import main as cli_main\n    import muonkit_bench.model\n")
     assert {"muonkit.cli", "muonkit_bench.model"} <= imports_of(path)
+
+
+def test_the_public_import_paths_survive_the_split() -> None:
+    """``muonkit.optimizer`` was one module holding both classes; its names still import from there."""
+    import muonkit
+    from muonkit.optimizer import NONFINITE_CHOICES, HybridMuon, Muon
+
+    assert (HybridMuon, Muon) == (muonkit.HybridMuon, muonkit.Muon)
+    assert issubclass(Muon, HybridMuon) and NONFINITE_CHOICES == ("skip", "raise", "unchecked")
+
+
+def test_no_file_of_the_library_is_longer_than_600_lines() -> None:
+    lines = {p.relative_to(PACKAGE).as_posix(): len(p.read_text().splitlines()) for p in PACKAGE.rglob("*.py")}
+    assert {name: n for name, n in lines.items() if n > 600} == {}
