@@ -32,6 +32,7 @@ from muonkit.config import (
     DEFAULTS,
     MATRIX_ALGORITHMS,
     AdamWConfig,
+    GroupConfigs,
     MuonConfig,
     check_group_keys,
     check_read_keys,
@@ -122,6 +123,8 @@ class HybridMuon(Optimizer):
     """What to pass instead of a model, or of a group that mixes matrices and vectors."""
     capturable = False
     """Whether the step is capturable; the class default serves optimizers pickled before the option."""
+    _validated: GroupConfigs | None = None
+    """The groups' validated configs of the last step."""
 
     def __init__(
         self,
@@ -307,17 +310,21 @@ class HybridMuon(Optimizer):
         return loss
 
     def _group_configs(self) -> list[MuonConfig | AdamWConfig]:
-        """Every group's validated config; capturable, the group's rate tensors are not read.
+        """Every group's validated config (validated again only where its values changed,
+        :class:`~muonkit.config.GroupConfigs`); capturable, the group's rate tensors are not read.
 
         A number written into a capturable group's ``lr`` or ``weight_decay`` since the last step
         is checked and copied into the group's tensor first (:func:`muonkit.capturable.hold_rates`).
         """
+        if self._validated is None:  # not copied or pickled: made again after either
+            self._validated = GroupConfigs()
+        validated = self._validated
         if not self.capturable:
-            return [group_config(g, i) for i, g in enumerate(self.param_groups)]
+            return [validated(g, i) for i, g in enumerate(self.param_groups)]
         configs = []
         for i, group in enumerate(self.param_groups):
             rates_on_device.hold_rates(group, i, self._held_rates[i])
-            configs.append(group_config(rates_on_device.unread(group), i))
+            configs.append(validated(rates_on_device.unread(group), i))
         return configs
 
     def _checked_work(self, configs: list[MuonConfig | AdamWConfig]) -> tuple[Strategy, list[list[Tensor]]]:
