@@ -29,7 +29,6 @@ from muonkit.functional.validation import positive_int as _positive_int
 from muonkit.functional.validation import real
 from muonkit.functional.validation import unit as _unit
 
-Algorithm = Literal["muon", "normuon", "adamw"]
 ALGORITHMS: tuple[str, ...] = ("muon", "normuon", "adamw")
 MATRIX_ALGORITHMS: tuple[str, ...] = ("muon", "normuon")
 """The algorithms that orthogonalize (routed alike: >= 2D hidden matrices)."""
@@ -165,10 +164,6 @@ class MuonConfig:
         if dtype is None and device is not None:
             dtype = default_compute_dtype(device)
         return orthogonalization_flops(rows, cols, self.steps, self.ns_method, dtype)
-
-    def tensor_flops(self, shape: Sequence[int]) -> int:
-        """FLOPs of orthogonalizing every matrix of a tensor of this (whole) shape under ``layout``."""
-        return sum(b.count * self.flops(b.rows, b.cols) for b in self.layout.blocks(tuple(shape)))
 
     @property
     def steps(self) -> int:
