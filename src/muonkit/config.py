@@ -11,11 +11,12 @@ import difflib
 import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
-from muonkit.functional.coefficients import KELLER, as_schedule, resolve_preset
+from muonkit.defaults import DEFAULTS, TORCH_MUON_DEFAULTS, Defaults  # noqa: F401 (their home before muonkit.defaults)
+from muonkit.functional.coefficients import as_schedule, resolve_preset
 from muonkit.functional.lr_scaling import ADJUST_LR_CHOICES
 from muonkit.functional.matrices import LAYOUT_KINDS, MatrixLayout
 from muonkit.functional.muon import NSOptions
@@ -68,48 +69,6 @@ ADJUST_LR_ALIASES = {
 }  # fmt: skip
 # torch.optim options muonkit does not implement (group keys and keys of torch.optim.AdamW state)
 TORCH_ONLY_KEYS = ("amsgrad", "maximize", "foreach", "fused", "capturable", "differentiable", "decoupled_weight_decay")
-
-
-@dataclass(frozen=True)
-class Defaults:
-    """The defaults of every hyperparameter, in one place.
-
-    :class:`muonkit.HybridMuon`'s keywords, the DeepSpeed config reader
-    (:mod:`muonkit.integrations.deepspeed_config`), the Hugging Face ``make_optimizer`` and the
-    README's table all take their values from :data:`DEFAULTS`; :class:`muonkit.Muon` from
-    :data:`TORCH_MUON_DEFAULTS` (torch.optim.Muon's). Param groups never copy them: a group key
-    overrides the optimizer's default only where the caller set it. Why each value: README,
-    "muonkit.HybridMuon".
-    """
-
-    lr: float = 0.02
-    momentum: float = 0.95
-    nesterov: bool = True
-    ns_coefficients: str | tuple[Any, ...] = "polar_express"  # a preset, (a, b, c) or ((a, b, c), ...)
-    ns_steps: int | None = None
-    eps: float = 1e-7
-    weight_decay: float = 0.0
-    adjust_lr: str | None = "keller"
-    layout: str = "auto"
-    split_sizes: tuple[int, ...] | None = None
-    ns_dtype: torch.dtype | None = None
-    ns_method: str = "gram"
-    adamw_lr: float = 3e-4
-    betas: tuple[float, float] = (0.9, 0.95)
-    adamw_eps: float = 1e-8
-    adamw_weight_decay: float = 0.0
-    nonfinite: Literal["skip", "raise", "unchecked"] = "skip"
-    normuon_beta2: float = 0.95
-    normuon_eps: float = 1e-8
-    cautious_wd: bool = False
-    capturable: bool = False
-    ns_compile: bool = False
-
-
-DEFAULTS = Defaults()
-""":class:`muonkit.HybridMuon`'s defaults."""
-TORCH_MUON_DEFAULTS = Defaults(lr=1e-3, weight_decay=0.1, ns_coefficients=KELLER.steps[0], ns_steps=5)
-""":class:`muonkit.Muon`'s: torch.optim.Muon's (Keller's tuple 5 times, ``adjust_lr_fn=None`` = ``"keller"``)."""
 
 
 @dataclass(frozen=True)

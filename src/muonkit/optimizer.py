@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import fields
 from typing import Any, Literal, cast
 
 import torch
@@ -29,8 +30,8 @@ from torch.optim import Optimizer
 from muonkit import capturable as rates_on_device
 from muonkit import verdict
 from muonkit.config import (
-    DEFAULTS,
     MATRIX_ALGORITHMS,
+    OPTIMIZER_KEYWORDS,
     AdamWConfig,
     GroupConfigs,
     MuonConfig,
@@ -39,6 +40,7 @@ from muonkit.config import (
     group_config,
     plain_hyperparameters,
 )
+from muonkit.defaults import DEFAULTS, Defaults
 from muonkit.distributed import Strategy, world_size
 from muonkit.distributed.agreement import settings_of
 from muonkit.group_checks import (
@@ -65,10 +67,11 @@ NonFinite = Literal["skip", "raise", "unchecked"]
 NONFINITE_CHOICES: tuple[str, ...] = ("skip", "raise", "unchecked")
 
 _PICKLED = {
-    "_strategy", "_process_group", "_built_distributed", "nonfinite", "skipped_steps", "_adamw_defaults",
-    "_normuon_defaults", "capturable", "_held_rates",
+    "_strategy", "_process_group", "_built_distributed", "skipped_steps", "_adamw_defaults", "_normuon_defaults",
+    "_held_rates", *(f.name for f in fields(Defaults) if f.name in OPTIMIZER_KEYWORDS),
 }  # fmt: skip
-"""What ``copy.deepcopy`` and pickle keep of ours, besides torch's defaults, state and groups."""
+"""What ``copy.deepcopy`` and pickle keep of ours, besides torch's defaults, state and groups: the
+optimizer-wide keywords (``nonfinite``, ``capturable``: attributes of the same name) and our state."""
 
 
 class HybridMuon(Optimizer):

@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, cast
 
-from muonkit.config import TORCH_ADJUST_LR, TORCH_MUON_DEFAULTS
+from muonkit.config import TORCH_ADJUST_LR
+from muonkit.defaults import TORCH_MUON_DEFAULTS
 from muonkit.optimizer import HybridMuon
 
 
