@@ -306,7 +306,7 @@ class HybridMuon(Optimizer):
         goes_on, stream, chunks = verdict.before_commit(self, work, configs, chunks)
         if goes_on:
             deferred = self._commit(configs, work, chunks, stream)
-            if verdict.after_commit(self, stream):
+            if stream is None or self._stream_outcome(stream):
                 for params, config, rates in deferred:
                     self._adamw_step(params, config, rates)
         strategy.end_step()
@@ -380,6 +380,11 @@ class HybridMuon(Optimizer):
             else:
                 self._adamw_step(params, cast(AdamWConfig, config), rate)
         return deferred
+
+    def _stream_outcome(self, stream: verdict.Stream) -> bool:
+        """Whether a streamed step goes on to its deferred AdamW updates: the verdict's one read
+        (:func:`muonkit.verdict.stream_outcome`), the step's last collective."""
+        return verdict.stream_outcome(self, stream)
 
     def _adamw_step(self, params: list[Tensor], config: AdamWConfig, rates: Rates) -> None:
         adamw_step(

@@ -7,7 +7,7 @@ Three policies, chosen per step by :func:`before_commit`:
   wherever their momentum update is): the verdict on the gradients (every one within its limit,
   :mod:`muonkit.limits`) is known before any direction, on every rank. Where reads are free (the
   CPU) it is read at once; elsewhere it stays on the device as the mask of every Muon commit
-  (:class:`Stream`), and its one blocking read (:func:`after_commit`) comes after every Muon
+  (:class:`Stream`), and its one blocking read (:func:`stream_outcome`) comes after every Muon
   update is launched; AdamW, which keeps its step counts on the host, follows it.
 - **held** (a custom ``ns_coefficients`` schedule, which may diverge): every direction is
   computed and held before the verdict, so a non-finite one anywhere leaves everything untouched.
@@ -123,11 +123,6 @@ def before_commit(
         return stream is not None, stream, chunks
     held: list[list[C]] = [list(c) for c in chunks]
     return finite_or_skip(opt, work, configs, held), None, cast(list[Iterable[C]], held)
-
-
-def after_commit(opt: Judged, stream: Stream | None) -> bool:
-    """Whether the step goes on to the deferred AdamW updates (see :func:`stream_outcome`)."""
-    return stream is None or stream_outcome(opt, stream)
 
 
 def bounded(config: MuonConfig) -> bool:
