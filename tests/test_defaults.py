@@ -1,14 +1,17 @@
-"""One source of defaults: ``muonkit.config.DEFAULTS`` (and ``TORCH_MUON_DEFAULTS`` for ``muonkit.Muon``).
+"""One source of defaults: ``muonkit.defaults.DEFAULTS`` (and ``TORCH_MUON_DEFAULTS`` for ``muonkit.Muon``).
 
 Every place that states a default reads it from there or is checked against it here: the
-keywords of ``HybridMuon`` and ``Muon``, the DeepSpeed config reader (and its docstring table),
-the Hugging Face ``make_optimizer``, and the README's tables and signatures.
+keywords of ``HybridMuon`` and ``Muon``, the DeepSpeed config reader, the Hugging Face
+``make_optimizer``, torchtitan's container, and the README's tables (generated from the code by
+``python -m muonkit._doc_tables``) and signatures. Every keyword reaches every consumer.
 """
 
 from __future__ import annotations
 
 import ast
+import copy
 import dataclasses
+import importlib.util
 import inspect
 import re
 from pathlib import Path
@@ -19,8 +22,8 @@ import torch
 from torch import nn
 
 import muonkit
-from muonkit.config import DEFAULTS, TORCH_MUON_DEFAULTS, Defaults
-from muonkit.integrations import deepspeed_config
+from muonkit import _doc_tables
+from muonkit.config import DEFAULTS, GROUP_DEFAULT_KEYWORDS, OPTIMIZER_KEYWORDS, TORCH_MUON_DEFAULTS, Defaults
 from muonkit.integrations.deepspeed_config import MuonkitOptions
 from muonkit.integrations.transformers import make_optimizer
 
@@ -56,9 +59,10 @@ def test_deepspeed_options_are_the_defaults() -> None:
     assert {k: options[k] for k in shared} == {k: getattr(DEFAULTS, k) for k in shared}
 
 
-def test_deepspeed_docstring_table_states_the_defaults() -> None:
-    doc = deepspeed_config.__doc__ or ""
-    rows = dict(re.findall(r"^``(\w+)``\s+(.+?)\s{2,}", doc, flags=re.M))
+def test_deepspeed_table_states_the_defaults() -> None:
+    """The table of the config's keys (once, in the README; it was in deepspeed_config's docstring)."""
+    table = README.read_text().split("<!-- generated: deepspeed-keys", 1)[1].split("<!-- end: deepspeed-keys -->")[0]
+    rows = dict(re.findall(r"^\| `(\w+)` \| (.+?) \|", table, flags=re.M))
     stated = {k: _json_literal(v) for k, v in rows.items() if k in FIELDS}
     assert len(stated) == 19
     assert stated == {k: _as_json(getattr(DEFAULTS, k)) for k in stated}
@@ -126,3 +130,87 @@ def _as_json(value: Any) -> Any:
     if isinstance(value, torch.dtype):
         return str(value).removeprefix("torch.")
     return list(value) if isinstance(value, tuple) else value
+
+
+# ------------------------------------------------------------------ one keyword, one place
+
+ALTERNATIVES: dict[str, Any] = {
+    "lr": 0.03, "momentum": 0.9, "nesterov": False, "ns_coefficients": "keller", "ns_steps": 4, "eps": 1e-6,
+    "weight_decay": 0.1, "adjust_lr": "spectral", "layout": "matrix", "split_sizes": (4, 4),
+    "ns_dtype": torch.float64, "ns_method": "newton_schulz", "adamw_lr": 1e-3, "betas": (0.8, 0.9),
+    "adamw_eps": 1e-7, "adamw_weight_decay": 0.01, "nonfinite": "raise", "normuon_beta2": 0.9,
+    "normuon_eps": 1e-9, "cautious_wd": True, "capturable": True, "ns_compile": True,
+}  # fmt: skip
+"""A value other than the default for each keyword of ``Defaults``."""
+
+
+def test_every_keyword_has_an_alternative_here() -> None:
+    """A keyword added to ``Defaults`` needs a value here, so the test below checks that it reaches
+    every consumer."""
+    assert list(ALTERNATIVES) == FIELDS
+    assert all(ALTERNATIVES[k] != getattr(DEFAULTS, k) for k in FIELDS)
+
+
+def _setting_of(opt: muonkit.HybridMuon, keyword: str) -> Any:
+    """Where ``keyword`` of ``opt`` ends up: an attribute (optimizer-wide), or a group key of the
+    algorithm whose default it is (AdamW's ``betas``; Muon's otherwise)."""
+    if keyword in OPTIMIZER_KEYWORDS:
+        return getattr(opt, keyword)
+    key, algorithm = GROUP_DEFAULT_KEYWORDS.get(keyword, (keyword, "adamw" if keyword == "betas" else "muon"))
+    value = next(g[key] for g in opt.param_groups if g["algorithm"] == algorithm)  # the first of them
+    return tuple(value) if isinstance(value, list) else value
+
+
+def _model() -> nn.Module:
+    return nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 8), nn.LayerNorm(8))
+
+
+def _groups() -> list[dict[str, Any]]:
+    """A group of each algorithm, with no hyperparameter of its own."""
+    return [
+        {"params": [nn.Parameter(torch.randn(8, 8))], "algorithm": "muon"},
+        {"params": [nn.Parameter(torch.randn(8, 8))], "algorithm": "normuon"},
+        {"params": [nn.Parameter(torch.randn(8))], "algorithm": "adamw"},
+    ]
+
+
+@pytest.mark.parametrize("keyword", FIELDS)
+def test_every_keyword_reaches_every_consumer(keyword: str) -> None:
+    """The constructor, a copy, the DeepSpeed config, make_optimizer, torchtitan's config and the
+    README's table all take the keyword, and it lands where the optimizer reads it."""
+    value = ALTERNATIVES[keyword]
+    setting = {keyword: value} | ({"nonfinite": "unchecked"} if keyword == "capturable" else {})
+    opt = muonkit.HybridMuon(_groups(), **setting)
+    assert _setting_of(opt, keyword) == value
+    assert _setting_of(copy.deepcopy(opt), keyword) == value
+    routing = {"muon_algorithm": "normuon"} if keyword.startswith("normuon_") else {}
+    assert _setting_of(make_optimizer(_model(), **routing, **setting), keyword) == value
+
+    if keyword in {f.name for f in dataclasses.fields(MuonkitOptions)}:
+        json_value = str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else value
+        assert MuonkitOptions.from_params({keyword: json_value}).optimizer_kwargs()[keyword] == value
+    else:
+        with pytest.raises(ValueError, match=rf"\['{keyword}'\] \({keyword}: "):
+            MuonkitOptions.from_params({keyword: value})
+
+    if importlib.util.find_spec("torchtitan") is not None:
+        from muonkit.integrations import torchtitan
+
+        if keyword in torchtitan._ROUTING:
+            assert keyword not in {f.name for f in dataclasses.fields(torchtitan.HybridMuonContainer.Config)}
+        else:
+            config = torchtitan.HybridMuonContainer.Config(**setting)
+            assert torchtitan._keywords(config)[keyword] == value
+
+    assert keyword in readme_table(README.read_text(), "### `muonkit.HybridMuon(params, **defaults)`")
+
+
+def test_the_readme_tables_are_generated_from_the_code(tmp_path: Path) -> None:
+    """The README's routing, defaults and DeepSpeed tables are what ``python -m muonkit._doc_tables`` writes."""
+    text = README.read_text()
+    assert _doc_tables.render(text) == text, "stale README tables: run python -m muonkit._doc_tables"
+    stale = tmp_path / "README.md"
+    stale.write_text(text.replace("| `momentum` | `0.95` |", "| `momentum` | `0.9` |", 1))
+    assert _doc_tables.main([str(stale), "--check"]) == 1
+    assert _doc_tables.main([str(stale)]) == 0 and stale.read_text() == text
+    assert _doc_tables.main([str(stale), "--check"]) == 0

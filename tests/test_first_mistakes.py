@@ -3,7 +3,7 @@
 - a model instead of param groups, to HybridMuon and to Muon;
 - torch's keywords (``adjust_lr_fn=``, ``foreach=``) and misspellings on HybridMuon;
 - a momentum-cycling torch lr scheduler (OneCycleLR, CyclicLR) on Muon groups;
-- ``RoutingReport.params`` (an element count) next to ``numel`` and ``names``.
+- ``RoutingReport`` counts elements with ``numel`` and lists tensors with ``names``.
 """
 
 from __future__ import annotations
@@ -132,8 +132,6 @@ def test_routing_report_counts_and_names() -> None:
     assert report.names("muon") == ["1.weight", "3.weight"]
     assert report.numel("muon") == 8 * 16 + 16 * 8
     assert report.numel("adamw") + report.numel("muon") == report.total_params
-    with pytest.warns(DeprecationWarning, match=r"use \.numel\(algorithm\)"):
-        assert report.params("muon") == report.numel("muon")
 
 
 def test_muon_takes_hybrid_muons_adjust_lr_name_too() -> None:

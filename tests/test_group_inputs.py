@@ -324,3 +324,119 @@ def test_a_copied_group_passes_at_the_defaults_and_an_edited_unread_key_is_refus
     with pytest.raises(ValueError, match="^" + re.escape(_unread_message("adamw", "momentum", n)) + "$"):
         opt.add_param_group({"params": [nn.Parameter(torch.randn(6))], "algorithm": "adamw", "momentum": 0.95})
     assert len(opt.param_groups) == n
+
+
+# ---------------------------------------------------------------- values written between steps
+# A steady step reuses each group's validated config while the group's values stay the same
+# (muonkit.config.GroupConfigs); whatever is written since, by assignment or in place, is
+# validated before anything changes.
+
+
+def _stepped(**muon: Any) -> tuple[list[nn.Parameter], muonkit.HybridMuon]:
+    """A Muon group (one 6x4 matrix, ``muon`` its keys) and an AdamW group (a list ``betas``), after one step."""
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(6, 4)), nn.Parameter(torch.randn(4))]
+    groups = [
+        {"params": params[:1], "algorithm": "muon", **muon},
+        {"params": params[1:], "algorithm": "adamw", "betas": [0.9, 0.95]},
+    ]
+    opt = muonkit.HybridMuon(groups)
+    for seed in (0, 1):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(seed))
+        if seed == 0:
+            opt.step()
+    return params, opt
+
+
+def _refused_and_unchanged(params: list[nn.Parameter], opt: muonkit.HybridMuon, message: str) -> None:
+    weights = [p.detach().clone() for p in params]
+    state = {k: v.clone() for p in params for k, v in opt.state[p].items()}
+    with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+        opt.step()
+    assert all(torch.equal(p, w) for p, w in zip(params, weights, strict=True))
+    assert all(torch.equal(v, state[k]) for p in params for k, v in opt.state[p].items())
+
+
+@pytest.mark.parametrize(("key", "value", "message"), BAD_NUMBERS, ids=[f"{k}={v!r}" for k, v, _ in BAD_NUMBERS])
+def test_a_bad_number_a_scheduler_writes_is_refused_before_anything_changes(key: str, value: Any, message: str) -> None:
+    params, opt = _stepped(split_sizes=(2, 4))
+    opt.param_groups[0][key] = value
+    _refused_and_unchanged(params, opt, f"{message} in param group 0")
+
+
+IN_PLACE: list[tuple[str, dict[str, Any], Any, str]] = [
+    (
+        "betas[1] of a list",
+        {},
+        lambda groups: groups[1]["betas"].__setitem__(1, 1.0),
+        "Invalid betas[1]=1.0: must be in [0, 1) in param group 1",
+    ),
+    (
+        "split_sizes of a list",
+        {"split_sizes": [2, 4]},
+        lambda groups: groups[0]["split_sizes"].__setitem__(0, 3),
+        "Invalid split_sizes=(3, 4): they must sum to the 6 rows of a tensor of shape (6, 4) under layout='auto' "
+        "in param group 0",
+    ),
+    (
+        "ns_coefficients of nested lists",
+        {"ns_coefficients": [[3.4445, -4.775, 2.0315]]},
+        lambda groups: groups[0]["ns_coefficients"][0].__setitem__(0, float("nan")),
+        "Invalid ns_coefficients=[[nan, -4.775, 2.0315]]: each step must be an (a, b, c) triple of finite floats "
+        "in param group 0",
+    ),
+    (
+        "a tensor lr",
+        {"lr": torch.tensor(0.02)},
+        lambda groups: groups[0]["lr"].fill_(-1.0),
+        "Invalid lr=tensor(-1.): must be >= 0 in param group 0",
+    ),
+    (
+        "a numpy lr replaced by another",
+        {"lr": np.float64(0.02)},
+        lambda groups: groups[0].__setitem__("lr", np.float64(-0.02)),
+        "Invalid lr=np.float64(-0.02): must be >= 0 in param group 0",
+    ),
+]
+
+
+@pytest.mark.parametrize(("muon", "change", "message"), [c[1:] for c in IN_PLACE], ids=[c[0] for c in IN_PLACE])
+def test_a_value_changed_in_place_between_steps_is_validated_again(
+    muon: dict[str, Any], change: Any, message: str
+) -> None:
+    params, opt = _stepped(**muon)
+    change(opt.param_groups)
+    _refused_and_unchanged(params, opt, message)
+
+
+def test_a_steady_step_validates_only_the_groups_whose_values_changed(monkeypatch: pytest.MonkeyPatch) -> None:
+    _, opt = _stepped(split_sizes=[2, 4])
+    validated: list[int | None] = []
+    group_config = muonkit.config.group_config
+    monkeypatch.setattr(muonkit.config, "group_config", lambda g, i=None: validated.append(i) or group_config(g, i))
+    opt.step()
+    assert validated == []
+    opt.param_groups[1]["betas"][0] = 0.8  # in place: the same list
+    opt.step()
+    opt.param_groups[0]["lr"] = -0.0  # equal to 0.0, but not the same bits
+    opt.step()
+    opt.param_groups[0]["lr"] = 0.0
+    opt.step()
+    assert validated == [1, 0, 0]
+
+
+def test_a_valid_value_changed_in_place_takes_effect() -> None:
+    """Changed in place or replaced, a new ``betas`` and ``split_sizes`` step alike (and unlike the old)."""
+    runs = []
+    for how in ("in place", "replaced", "unchanged"):
+        params, opt = _stepped(split_sizes=[2, 4])
+        muon, adamw = opt.param_groups
+        if how == "in place":
+            adamw["betas"][0], muon["split_sizes"][:] = 0.5, [3, 3]
+        elif how == "replaced":
+            adamw["betas"], muon["split_sizes"] = [0.5, 0.95], [3, 3]
+        opt.step()
+        runs.append([p.detach().clone() for p in params])
+    assert all(torch.equal(a, b) for a, b in zip(runs[0], runs[1], strict=True))
+    assert not any(torch.equal(a, c) for a, c in zip(runs[0], runs[2], strict=True))

@@ -217,3 +217,17 @@ def test_the_circle_check_sees_circles(tmp_path: Path) -> None:
         ["pkg.c", "pkg.d", "pkg.c"],
         ["pkg.sub", "pkg.sub.f", "pkg.sub.g", "pkg.sub"],
     ]
+
+
+def test_the_public_import_paths_survive_the_split() -> None:
+    """``muonkit.optimizer`` was one module holding both classes; its names still import from there."""
+    import muonkit
+    from muonkit.optimizer import NONFINITE_CHOICES, HybridMuon, Muon
+
+    assert (HybridMuon, Muon) == (muonkit.HybridMuon, muonkit.Muon)
+    assert issubclass(Muon, HybridMuon) and NONFINITE_CHOICES == ("skip", "raise", "unchecked")
+
+
+def test_no_file_of_the_library_is_longer_than_600_lines() -> None:
+    lines = {p.relative_to(PACKAGE).as_posix(): len(p.read_text().splitlines()) for p in PACKAGE.rglob("*.py")}
+    assert {name: n for name, n in lines.items() if n > 600} == {}

@@ -8,11 +8,17 @@ Layers (imports flow one way): ``integrations``, ``cli``, ``bench`` -> ``optimiz
 ``distributed`` -> ``functional`` -> torch.
 """
 
+from muonkit import optimizer as _optimizer
 from muonkit.functional.orthogonalize import orthogonalize
-from muonkit.optimizer import HybridMuon, Muon
+from muonkit.optimizer import HybridMuon
 from muonkit.param_groups import RoutingReport, explain, param_groups
 from muonkit.qk_clip import QKClip
 from muonkit.routing import Route, Rule, lora_rules
+from muonkit.torch_muon import Muon
+
+# Muon's home before the optimizer was split by concern: `from muonkit.optimizer import Muon` (and
+# pickles made then) keep working. Set here, where both are imported, so no module imports in a circle.
+setattr(_optimizer, "Muon", Muon)  # noqa: B010
 
 __all__ = [
     "HybridMuon",

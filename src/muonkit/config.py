@@ -8,13 +8,15 @@ dataclass. Every error names the key, the value and what is allowed.
 from __future__ import annotations
 
 import difflib
+import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
-from muonkit.functional.coefficients import KELLER, as_schedule, resolve_preset
+from muonkit.defaults import DEFAULTS, TORCH_MUON_DEFAULTS, Defaults  # noqa: F401 (their home before muonkit.defaults)
+from muonkit.functional.coefficients import as_schedule, resolve_preset
 from muonkit.functional.lr_scaling import ADJUST_LR_CHOICES
 from muonkit.functional.matrices import LAYOUT_KINDS, MatrixLayout
 from muonkit.functional.muon import NSOptions
@@ -28,7 +30,6 @@ from muonkit.functional.validation import positive_int as _positive_int
 from muonkit.functional.validation import real
 from muonkit.functional.validation import unit as _unit
 
-Algorithm = Literal["muon", "normuon", "adamw"]
 ALGORITHMS: tuple[str, ...] = ("muon", "normuon", "adamw")
 MATRIX_ALGORITHMS: tuple[str, ...] = ("muon", "normuon")
 """The algorithms that orthogonalize (routed alike: >= 2D hidden matrices)."""
@@ -68,48 +69,6 @@ ADJUST_LR_ALIASES = {
 }  # fmt: skip
 # torch.optim options muonkit does not implement (group keys and keys of torch.optim.AdamW state)
 TORCH_ONLY_KEYS = ("amsgrad", "maximize", "foreach", "fused", "capturable", "differentiable", "decoupled_weight_decay")
-
-
-@dataclass(frozen=True)
-class Defaults:
-    """The defaults of every hyperparameter, in one place.
-
-    :class:`muonkit.HybridMuon`'s keywords, the DeepSpeed config reader
-    (:mod:`muonkit.integrations.deepspeed_config`), the Hugging Face ``make_optimizer`` and the
-    README's table all take their values from :data:`DEFAULTS`; :class:`muonkit.Muon` from
-    :data:`TORCH_MUON_DEFAULTS` (torch.optim.Muon's). Param groups never copy them: a group key
-    overrides the optimizer's default only where the caller set it. Why each value: README,
-    "muonkit.HybridMuon".
-    """
-
-    lr: float = 0.02
-    momentum: float = 0.95
-    nesterov: bool = True
-    ns_coefficients: str | tuple[Any, ...] = "polar_express"  # a preset, (a, b, c) or ((a, b, c), ...)
-    ns_steps: int | None = None
-    eps: float = 1e-7
-    weight_decay: float = 0.0
-    adjust_lr: str | None = "keller"
-    layout: str = "auto"
-    split_sizes: tuple[int, ...] | None = None
-    ns_dtype: torch.dtype | None = None
-    ns_method: str = "gram"
-    adamw_lr: float = 3e-4
-    betas: tuple[float, float] = (0.9, 0.95)
-    adamw_eps: float = 1e-8
-    adamw_weight_decay: float = 0.0
-    nonfinite: Literal["skip", "raise", "unchecked"] = "skip"
-    normuon_beta2: float = 0.95
-    normuon_eps: float = 1e-8
-    cautious_wd: bool = False
-    capturable: bool = False
-    ns_compile: bool = False
-
-
-DEFAULTS = Defaults()
-""":class:`muonkit.HybridMuon`'s defaults."""
-TORCH_MUON_DEFAULTS = Defaults(lr=1e-3, weight_decay=0.1, ns_coefficients=KELLER.steps[0], ns_steps=5)
-""":class:`muonkit.Muon`'s: torch.optim.Muon's (Keller's tuple 5 times, ``adjust_lr_fn=None`` = ``"keller"``)."""
 
 
 @dataclass(frozen=True)
@@ -165,10 +124,6 @@ class MuonConfig:
             dtype = default_compute_dtype(device)
         return orthogonalization_flops(rows, cols, self.steps, self.ns_method, dtype)
 
-    def tensor_flops(self, shape: Sequence[int]) -> int:
-        """FLOPs of orthogonalizing every matrix of a tensor of this (whole) shape under ``layout``."""
-        return sum(b.count * self.flops(b.rows, b.cols) for b in self.layout.blocks(tuple(shape)))
-
     @property
     def steps(self) -> int:
         """The number of Newton-Schulz steps actually run."""
@@ -197,6 +152,71 @@ def group_config(group: Mapping[str, Any], index: int | None = None) -> MuonConf
         return _adamw_config(group) if algorithm == "adamw" else _muon_config(group, algorithm)
     except ValueError as e:
         raise ValueError(f"{e}{where}") from None
+
+
+class GroupConfigs:
+    """Each param group's validated config, validated again only when the group's values change.
+
+    A steady step reads every group's config; validating unchanged values again was a seventh of
+    a step's Python calls. A group's config is kept under a snapshot of its values (every key but
+    ``params`` and ``param_names``, sequences element by element) and reused while the snapshot
+    is equal: a value written since (a scheduler's new ``lr``, ``group["betas"][0] = ...`` in
+    place) makes a new snapshot, validated before anything changes, and a bad one raises as
+    :func:`group_config` does. Groups holding a value whose contents may change unseen (a tensor,
+    a numpy array, an unknown object) are validated at every call.
+    """
+
+    def __init__(self) -> None:
+        self._kept: list[tuple[tuple[Any, ...], MuonConfig | AdamWConfig] | None] = []
+
+    def __call__(self, group: Mapping[str, Any], index: int) -> MuonConfig | AdamWConfig:
+        """``group_config(group, index)``, from the snapshot of ``group``'s values if they did not change."""
+        kept = self._kept
+        values = snapshot(group)
+        if index < len(kept) and (entry := kept[index]) is not None and entry[0] == values:
+            return entry[1]
+        config = group_config(group, index)
+        kept.extend([None] * (index + 1 - len(kept)))
+        kept[index] = None if values is None else (values, config)
+        return config
+
+
+_ATOMS = frozenset({int, bool, str, type(None), torch.dtype})
+"""Immutable value types compared as they are (a float by its bits: ``-0.0`` and ``0.0`` differ)."""
+
+
+def snapshot(group: Mapping[str, Any]) -> tuple[Any, ...] | None:
+    """``group``'s values (all keys but ``params`` and ``param_names``) as an immutable tuple that
+    is equal exactly when every value is of the same type with the same bits; None when a value
+    could change without a new snapshot seeing it (a tensor, an array, an unknown object)."""
+    out: list[Any] = []
+    for key, value in group.items():
+        kind = type(value)
+        if kind is float:
+            out.append((key, value.hex()))
+        elif kind in _ATOMS:
+            out.append((key, kind, value))
+        elif key != "params" and key != "param_names":
+            frozen = _frozen(value)
+            if frozen is None:
+                return None
+            out.append((key, frozen))
+    return tuple(out)
+
+
+def _frozen(value: Any) -> Any:
+    """An immutable copy of a sequence of numbers or a numeric scalar, tagged by type; None if there is none."""
+    kind = type(value)
+    if kind is float:
+        return value.hex()
+    if kind in _ATOMS:
+        return (kind, value)
+    if kind is list or kind is tuple:
+        items = [_frozen(v) for v in value]
+        return None if None in items else (kind, tuple(items))
+    if kind.__module__ in ("numpy", "decimal", "fractions") and isinstance(value, numbers.Number):
+        return (kind, repr(value))  # numpy scalars, Decimal, Fraction: immutable (a 0-d array is no Number)
+    return None
 
 
 def _muon_config(g: Mapping[str, Any], algorithm: str = "muon") -> MuonConfig:

@@ -7,7 +7,6 @@ print(muonkit.explain(model))
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -115,16 +114,6 @@ class RoutingReport:
     def names(self, algorithm: str) -> list[str]:
         """The names of the tensors that go to ``algorithm``."""
         return [r.name for r in self.routes if r.algorithm == algorithm]
-
-    def params(self, algorithm: str) -> int:
-        """Deprecated: the element count, :meth:`numel` (the tensors' names: :meth:`names`)."""
-        warnings.warn(
-            "RoutingReport.params(algorithm) is deprecated: it counts elements; use .numel(algorithm), or "
-            ".names(algorithm) for the tensors",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return self.numel(algorithm)
 
     @property
     def total_params(self) -> int:

@@ -1,27 +1,10 @@
 """Hybrid routing: which tensors of a model get Muon and which get AdamW, and why.
 
 Muon is for the 2D hidden matrices of attention and MLP blocks (and conv filters, and each
-expert of a fused MoE tensor). Everything else goes to AdamW. The built-in rules, in order
-(first match wins, after the user's ``rules``):
-
-====  =========================================================  =========  ===============
-#     tensor                                                     algorithm  layout
-====  =========================================================  =========  ===============
-1     weight of an embedding module (``nn.Embedding`` & co.)      adamw
-2     output head: ``get_output_embeddings()``, or a module       adamw
-      named lm_head / head / classifier / score / qa_outputs /
-      output / output_layer (tied heads share the embedding's
-      tensor and are caught by rule 1)
-3     fewer than 2 dims: norms, biases, scalars, gains            adamw
-4     MoE router (``*.gate`` / ``*.router(.*)`` / ``*Router``)   adamw
-5     ``nn.Linear`` weight                                        muon       matrix
-6     transformers ``Conv1D`` weight, stored (in, out)            muon       transposed
-7     ``nn.MultiheadAttention`` ``in_proj_weight`` (fused QKV)    muon       matrix
-      and ``q/k/v_proj_weight``
-8     ``nn.Conv1d/2d/3d`` weight                                  muon       flatten
-9     3D tensor of an experts module (``*Experts`` / ``experts``) muon       experts
-10    anything else (a raw ``nn.Parameter``, positional tables)   adamw
-====  =========================================================  =========  ===============
+expert of a fused MoE tensor). Everything else goes to AdamW. The built-in rules are
+:data:`BUILT_IN_RULES`, checked in that order by :func:`route` (first match wins, after the
+user's ``rules``); the README's table of them is generated from it (``python -m muonkit._doc_tables``).
+Tied heads share the embedding's tensor and are caught by rule 1.
 
 PEFT LoRA factors (the ``nn.Linear`` weights of ``*.lora_A.*``, r x in, and ``*.lora_B.*``, out x r)
 are routed by rule 5 with their own reason: both go to Muon. ``muonkit bench lora`` (BENCHMARKS.md)
@@ -55,6 +38,31 @@ STATE_BYTES = {"muon": 4, "adamw": 8}
 ROUTED: tuple[str, ...] = ("muon", "adamw")
 """What a rule routes to; the matrices' variant (``"normuon"``) is ``param_groups(muon_algorithm=...)``'s."""
 """Optimizer-state bytes per parameter: one fp32 momentum for Muon, two fp32 moments for AdamW."""
+
+
+BUILT_IN_RULES: tuple[tuple[str, str, str], ...] = (
+    ("weight of an embedding module (`nn.Embedding`, `*Embedding(s)`), including a tied LM head", "adamw", ""),
+    (
+        "output head: `model.get_output_embeddings()`, or a module named `lm_head`, `head`, `classifier`, `score`, "
+        "`qa_outputs`, `output`, `output_layer`",
+        "adamw",
+        "",
+    ),
+    ("fewer than 2 dims: norms, biases, scalars, gains", "adamw", ""),
+    ("MoE router (`*.gate`, `*.router` or inside one, `*Router`: 2D but small, out = number of experts)", "adamw", ""),
+    ("`nn.Linear` weight", "muon", "`matrix` (out, in)"),
+    ("transformers `Conv1D` weight (GPT-2), stored (in, out)", "muon", "`transposed`"),
+    ("`nn.MultiheadAttention` `in_proj_weight` (fused QKV) and `q/k/v_proj_weight`", "muon", "`matrix`"),
+    ("`nn.Conv1d/2d/3d` weight (out, in, k...)", "muon", "`flatten`: one (out, in·k...) matrix"),
+    (
+        "3D tensor of an experts module (`*Experts`, `experts`; transformers 5.x fused MoE)",
+        "muon",
+        "`experts`: each expert its own matrix",
+    ),
+    ("anything else (raw `nn.Parameter`s, positional tables, RNN weights)", "adamw", ""),
+)
+"""The built-in rules, in the order :func:`route` checks them: ``(tensor, algorithm, layout)``
+(Markdown: the README's "Routing rules" table is rendered from it)."""
 
 
 @dataclass(frozen=True)
@@ -158,32 +166,33 @@ def _route_one(
             )
     leaf = module_name.rsplit(".", 1)[-1].lower()
     cls = type(module).__name__
-    if isinstance(module, nn.Embedding) or cls.endswith("Embedding") or cls.endswith("Embeddings"):
+    # BUILT_IN_RULES, in order
+    if isinstance(module, nn.Embedding) or cls.endswith("Embedding") or cls.endswith("Embeddings"):  # 1
         return Route(name, shape, "adamw", "embedding (tied with the output head)" if id(p) in heads else "embedding")
-    if id(p) in heads or leaf in _HEAD_NAMES:
+    if id(p) in heads or leaf in _HEAD_NAMES:  # 2
         return Route(name, shape, "adamw", "output head")
-    if len(shape) < 2:
+    if len(shape) < 2:  # 3
         return Route(name, shape, "adamw", _vector_reason(name, module))
     # DBRX-style routers wrap their Linear (ffn.router.layer): any ancestor named router counts.
-    if leaf in _ROUTER_NAMES or "Router" in cls or "router" in module_name.lower().split("."):
+    if leaf in _ROUTER_NAMES or "Router" in cls or "router" in module_name.lower().split("."):  # 4
         return Route(name, shape, "adamw", "MoE router")
-    if isinstance(module, nn.Linear) and len(shape) == 2:
+    if isinstance(module, nn.Linear) and len(shape) == 2:  # 5
         factor = _lora_factor(module_name)
         if factor is not None:
             return Route(name, shape, LORA_DEFAULT, f"PEFT LoRA {factor} (default LoRA routing: lora_rules)", "matrix")
         return _matrix_route(name, shape, "matrix", "hidden Linear", leaf, split_qkv, config)
-    if cls == "Conv1D" and len(shape) == 2:
+    if cls == "Conv1D" and len(shape) == 2:  # 6
         return _matrix_route(name, shape, "transposed", "GPT-2 Conv1D (stored in x out)", leaf, split_qkv, config)
-    if isinstance(module, nn.MultiheadAttention) and len(shape) == 2:
+    if isinstance(module, nn.MultiheadAttention) and len(shape) == 2:  # 7
         # Its projections are raw Parameters of the attention module, not Linear submodules.
         pname = name.rsplit(".", 1)[-1]
         fused = "in_proj" if pname == "in_proj_weight" else leaf
         return _matrix_route(name, shape, "matrix", f"nn.MultiheadAttention {pname}", fused, split_qkv, None)
-    if isinstance(module, nn.modules.conv._ConvNd):
+    if isinstance(module, nn.modules.conv._ConvNd):  # 8
         return Route(name, shape, "muon", "conv filter as (out, in*k)", "flatten")
-    if len(shape) == 3 and ("Experts" in cls or "experts" in name.split(".")):
+    if len(shape) == 3 and ("Experts" in cls or "experts" in name.split(".")):  # 9
         return Route(name, shape, "muon", "MoE experts (each expert its own matrix)", "experts")
-    return Route(name, shape, "adamw", "not a weight of a known matrix module (add a rule to use Muon)")
+    return Route(name, shape, "adamw", "not a weight of a known matrix module (add a rule to use Muon)")  # 10
 
 
 def _matrix_route(

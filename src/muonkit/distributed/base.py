@@ -91,10 +91,6 @@ class Strategy(ABC):
         """A zero state buffer laid out like ``param`` (sharded the same way), in ``dtype``."""
         return torch.zeros_like(param, dtype=dtype, memory_format=torch.preserve_format)
 
-    def all_finite(self, local_ok: Tensor) -> bool:
-        """Whether every rank's gradients are finite, given this rank's verdict (bool tensor)."""
-        return self.all_true(local_ok)[0]
-
     def all_true(self, flags: Tensor) -> list[bool]:
         """Each of this rank's few verdicts (a bool tensor) AND-ed over every rank, in one collective."""
         return [bool(f) for f in flags.reshape(-1).tolist()]

@@ -18,9 +18,7 @@ name               scale                          used by
 from __future__ import annotations
 
 import math
-from typing import Literal
 
-AdjustLR = Literal["keller", "match_adamw", "spectral"] | None
 ADJUST_LR_CHOICES: tuple[str | None, ...] = ("keller", "match_adamw", "spectral", None)
 
 

@@ -9,40 +9,17 @@ A DeepSpeed config selects muonkit in its ``optimizer`` section::
 
 :func:`muonkit.integrations.deepspeed.initialize` takes that section out (DeepSpeed does not
 know the type), builds :class:`muonkit.HybridMuon` from it and hands DeepSpeed the rest with
-``"zero_allow_untested_optimizer": true``. Every key of ``params`` (all optional):
-
-======================  ==================  ====================================================
-key                     default             meaning
-======================  ==================  ====================================================
-``lr``                  0.02                Muon learning rate (hidden matrices)
-``weight_decay``        0.0                 Muon decoupled weight decay
-``momentum``            0.95                Muon momentum (EMA form)
-``nesterov``            true                Nesterov blend of gradient and momentum
-``ns_coefficients``     "polar_express"     "polar_express", "keller", "you" or [[a, b, c], ...]
-``ns_steps``            null                Newton-Schulz steps (null: the preset's, 5)
-``ns_method``           "gram"              "gram" (Gram iteration where aspect >= 2) or "newton_schulz"
-``ns_dtype``            null                "bfloat16", "float32", "float64" (null: bf16 where fast)
-``eps``                 1e-7                added to the norm before Newton-Schulz
-``adjust_lr``           "keller"            lr shape scale: "keller", "match_adamw", "spectral", null
-``adamw_lr``            3e-4                AdamW learning rate (embeddings, head, norms, biases)
-``adamw_weight_decay``  0.0                 AdamW decoupled weight decay
-``betas``               [0.9, 0.95]         AdamW betas
-``adamw_eps``           1e-8                AdamW epsilon
-``nonfinite``           "skip"              "skip", "raise" or "unchecked" (DeepSpeed checks first)
-``muon_algorithm``      "muon"              the hidden matrices' algorithm: "muon" or "normuon"
-``normuon_beta2``       0.95                NorMuon's row second-moment decay
-``normuon_eps``         1e-8                NorMuon's eps (its groups' eps, also for Newton-Schulz)
-``cautious_wd``         false               decay only where update and weight agree in sign
-``ns_compile``          false               run Newton-Schulz through torch.compile (fullgraph)
-``split_qkv``           false               orthogonalize fused QKV projections as Q, K, V blocks
-``rules``               []                  routing overrides: [[pattern, "muon"|"adamw"], ...]
-======================  ==================  ====================================================
+``"zero_allow_untested_optimizer": true``. The keys of ``params`` (all optional) are the fields of
+:class:`MuonkitOptions`: every keyword of :class:`muonkit.HybridMuon` a JSON config can carry
+(:class:`muonkit.defaults.Defaults`, with its default and meaning), ``ns_dtype`` by name, and
+the routing's ``muon_algorithm``, ``split_qkv`` and ``rules``; the README's table of them is
+generated from these fields (``python -m muonkit._doc_tables``).
 
 The routing is :func:`muonkit.param_groups` (by module structure, printable with
 :func:`muonkit.explain`); ``rules`` are regular expressions on parameter names, checked first.
-That is every group key of :class:`muonkit.HybridMuon` but ``layout`` and ``split_sizes``, which
-routing decides per tensor (``split_qkv``, ``rules``); those, ``capturable`` (single-device only),
-``process_group`` and ``strategy`` (DeepSpeed's) are refused with the reason.
+``layout`` and ``split_sizes`` are routing's, decided per
+tensor (``split_qkv``, ``rules``); those, ``capturable`` (single-device only), ``process_group`` and
+``strategy`` (DeepSpeed's) are refused with the reason (:data:`_NOT_HERE`).
 """
 
 from __future__ import annotations
@@ -56,7 +33,7 @@ from typing import Any
 
 import torch
 
-from muonkit.config import DEFAULTS
+from muonkit.defaults import Defaults, with_default_fields
 
 __all__ = [
     "MUONKIT_TYPES",
@@ -93,31 +70,22 @@ class UnsupportedConfiguration(ValueError):
 
 
 @dataclass(frozen=True)
+@with_default_fields(leave_out=_NOT_HERE)
 class MuonkitOptions:
-    """The ``optimizer.params`` of a muonkit DeepSpeed config (see the module docstring)."""
+    """The ``optimizer.params`` of a muonkit DeepSpeed config: a field per :class:`muonkit.HybridMuon`
+    keyword a JSON config can carry (:class:`muonkit.defaults.Defaults`' fields but :data:`_NOT_HERE`,
+    added by :func:`~muonkit.defaults.with_default_fields`), then the routing's."""
 
-    lr: float = DEFAULTS.lr
-    weight_decay: float = DEFAULTS.weight_decay
-    momentum: float = DEFAULTS.momentum
-    nesterov: bool = DEFAULTS.nesterov
-    ns_coefficients: Any = DEFAULTS.ns_coefficients
-    ns_steps: int | None = DEFAULTS.ns_steps
-    ns_method: str = DEFAULTS.ns_method
-    ns_dtype: str | None = None  # DEFAULTS.ns_dtype, by name
-    eps: float = DEFAULTS.eps
-    adjust_lr: str | None = DEFAULTS.adjust_lr
-    adamw_lr: float = DEFAULTS.adamw_lr
-    adamw_weight_decay: float = DEFAULTS.adamw_weight_decay
-    betas: tuple[float, float] = DEFAULTS.betas
-    adamw_eps: float = DEFAULTS.adamw_eps
-    nonfinite: str = DEFAULTS.nonfinite
-    normuon_beta2: float = DEFAULTS.normuon_beta2
-    normuon_eps: float = DEFAULTS.normuon_eps
-    cautious_wd: bool = DEFAULTS.cautious_wd
-    ns_compile: bool = DEFAULTS.ns_compile
-    muon_algorithm: str = "muon"
-    split_qkv: bool = False
-    rules: Any = field(default_factory=list)
+    ns_dtype: str | None = field(
+        default=None, metadata={"what": '"bfloat16", "float32", "float64"; null = bf16 where fast (never fp16 on CPU)'}
+    )  # DEFAULTS.ns_dtype, by name
+    muon_algorithm: str = field(
+        default="muon", metadata={"what": 'the hidden matrices\' algorithm: "muon" or "normuon"'}
+    )
+    split_qkv: bool = field(default=False, metadata={"what": "orthogonalize fused QKV projections as Q, K, V blocks"})
+    rules: Any = field(
+        default_factory=list, metadata={"what": 'routing overrides: [[pattern, "muon" or "adamw"], ...], checked first'}
+    )
 
     @classmethod
     def from_params(cls, params: Mapping[str, Any] | None) -> MuonkitOptions:
@@ -152,28 +120,15 @@ class MuonkitOptions:
         return {"rules": self.rules or None, "split_qkv": self.split_qkv, "muon_algorithm": self.muon_algorithm}
 
     def optimizer_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments of :class:`muonkit.HybridMuon` (its defaults for every group)."""
-        return {
-            "lr": self.lr,
-            "weight_decay": self.weight_decay,
-            "momentum": self.momentum,
-            "nesterov": self.nesterov,
-            "ns_coefficients": self.ns_coefficients,
-            "ns_steps": self.ns_steps,
-            "ns_method": self.ns_method,
-            "ns_dtype": None if self.ns_dtype is None else _DTYPES[self.ns_dtype],
-            "eps": self.eps,
-            "adjust_lr": self.adjust_lr,
-            "adamw_lr": self.adamw_lr,
-            "adamw_weight_decay": self.adamw_weight_decay,
-            "betas": self.betas,
-            "adamw_eps": self.adamw_eps,
-            "nonfinite": self.nonfinite,
-            "normuon_beta2": self.normuon_beta2,
-            "normuon_eps": self.normuon_eps,
-            "cautious_wd": self.cautious_wd,
-            "ns_compile": self.ns_compile,
-        }
+        """Keyword arguments of :class:`muonkit.HybridMuon` (its defaults for every group): every
+        field that is one of its keywords, ``ns_dtype`` as the dtype it names."""
+        kwargs = {f.name: getattr(self, f.name) for f in fields(self) if f.name in _KEYWORDS}
+        kwargs["ns_dtype"] = None if self.ns_dtype is None else _DTYPES[self.ns_dtype]
+        return kwargs
+
+
+_KEYWORDS = frozenset(f.name for f in fields(Defaults))
+"""The fields of :class:`MuonkitOptions` that are :class:`muonkit.HybridMuon` keywords."""
 
 
 def load_config(config: str | os.PathLike[str] | Mapping[str, Any] | None, *, args: Any = None) -> dict[str, Any]:

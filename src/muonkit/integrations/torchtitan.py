@@ -27,11 +27,12 @@ kernel) raise ``ValueError``.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from torch import nn
 
+from muonkit.defaults import Defaults, with_default_fields
 from muonkit.optimizer import NONFINITE_CHOICES, HybridMuon
 from muonkit.param_groups import no_decay_on_vectors, param_groups
 
@@ -45,30 +46,33 @@ __all__ = ["HybridMuonContainer"]
 
 logger = logging.getLogger(__name__)
 
+_ROUTING = ("layout", "split_sizes")
+"""HybridMuon keywords that are not config fields: routing decides them per tensor (``rules``, ``split_qkv``)."""
+
 
 class HybridMuonContainer(OptimizersContainer):
     """torchtitan's ``OptimizersContainer`` holding one :class:`muonkit.HybridMuon` per model part."""
 
     @dataclass(kw_only=True, slots=True)
+    @with_default_fields(leave_out=_ROUTING)
     class Config(OptimizersContainer.Config):
-        """HybridMuon's settings, as :func:`muonkit.param_groups` and :class:`muonkit.HybridMuon` take them."""
+        """HybridMuon's settings: a field per keyword of :class:`muonkit.HybridMuon` (its defaults
+        for every group: :class:`muonkit.defaults.Defaults`' fields, added by
+        :func:`~muonkit.defaults.with_default_fields`) but the routing's ``layout`` and
+        ``split_sizes``, then how :func:`muonkit.param_groups` routes the model. ``lr``,
+        ``adamw_lr``, ``weight_decay`` and ``adamw_weight_decay`` are also set in the groups."""
 
-        lr: float = 0.02
-        """Muon lr (hidden matrices; Keller shape scale unless ``muon_options`` says otherwise)."""
-        adamw_lr: float = 3e-4
-        weight_decay: float = 0.0
-        """Muon decoupled weight decay."""
-        adamw_weight_decay: float = 0.0
-        """AdamW weight decay, on >= 2D tensors only when ``no_decay_on_vectors`` (norms, biases: none)."""
         no_decay_on_vectors: bool = True
+        """AdamW weight decay on >= 2D tensors only (norms, biases: none)."""
         rules: list[tuple[str, str]] = field(default_factory=list)
         """Routing overrides, checked first: ``(regex on the param name, "muon" | "adamw")``."""
         split_qkv: bool = False
+        muon_algorithm: str = "muon"
+        """The hidden matrices' algorithm: ``"muon"`` or ``"normuon"``."""
         muon_options: dict[str, Any] = field(default_factory=dict)
-        """Other Muon group keys (``adjust_lr``, ``ns_coefficients``, ``momentum``...)."""
+        """Other Muon group keys, set in the groups."""
         adamw_options: dict[str, Any] = field(default_factory=dict)
-        """Other AdamW group keys (``betas``, ``eps``)."""
-        nonfinite: str = "skip"
+        """Other AdamW group keys, set in the groups (``betas``, ``eps``)."""
         implementation: str = "foreach"
         """Only ``"foreach"``: HybridMuon batches its math by shape and has no fused kernel."""
 
@@ -78,7 +82,7 @@ class HybridMuonContainer(OptimizersContainer):
         self.model_parts = model_parts
         all_params: list[nn.Parameter] = []
         for part_idx, model in enumerate(model_parts):
-            optimizer = HybridMuon(_groups(model, config), nonfinite=config.nonfinite)  # type: ignore[arg-type]
+            optimizer = HybridMuon(_groups(model, config), **_keywords(config))
             self.optimizers.append(optimizer)
             for group in optimizer.param_groups:
                 all_params.extend(group["params"])
@@ -90,11 +94,20 @@ class HybridMuonContainer(OptimizersContainer):
         self._post_init(all_params)
 
 
+def _keywords(config: HybridMuonContainer.Config) -> dict[str, Any]:
+    """HybridMuon's keywords: the config's fields that are."""
+    return {f.name: getattr(config, f.name) for f in fields(Defaults) if f.name not in _ROUTING}
+
+
 def _groups(model: nn.Module, config: HybridMuonContainer.Config) -> list[dict[str, Any]]:
+    # lr and weight decay are set in the groups too, so that no_decay_on_vectors keeps a group with
+    # weight decay 0 whole (the groups, and checkpoints, as before the keywords became fields)
+    keywords = _keywords(config)
     groups = param_groups(
-        model, lr=config.lr, adamw_lr=config.adamw_lr, weight_decay=config.weight_decay,
-        adamw_weight_decay=config.adamw_weight_decay, rules=[(str(p), str(a)) for p, a in config.rules] or None,
-        split_qkv=config.split_qkv, muon_options=config.muon_options, adamw_options=config.adamw_options,
+        model, lr=keywords["lr"], adamw_lr=keywords["adamw_lr"], weight_decay=keywords["weight_decay"],
+        adamw_weight_decay=keywords["adamw_weight_decay"], rules=[(str(p), str(a)) for p, a in config.rules] or None,
+        split_qkv=config.split_qkv, muon_algorithm=config.muon_algorithm, muon_options=config.muon_options,
+        adamw_options=config.adamw_options,
     )  # fmt: skip
     if config.no_decay_on_vectors:
         groups = no_decay_on_vectors(groups)
@@ -121,5 +134,6 @@ def _check_config(config: HybridMuonContainer.Config) -> None:
             "math by shape and has no fused or for-loop variant; torch.optim's fused/foreach keys are not group "
             "keys of HybridMuon)"
         )
-    if config.nonfinite not in NONFINITE_CHOICES:
-        raise ValueError(f"Invalid nonfinite={config.nonfinite!r}: must be one of {NONFINITE_CHOICES}")
+    nonfinite = _keywords(config)["nonfinite"]
+    if nonfinite not in NONFINITE_CHOICES:
+        raise ValueError(f"Invalid nonfinite={nonfinite!r}: must be one of {NONFINITE_CHOICES}")

@@ -26,12 +26,14 @@ import json
 import math
 import os
 from collections.abc import Mapping, Sequence
+from dataclasses import fields
 from typing import Any, cast
 
 import torch
 from torch import nn
 
-from muonkit.config import DEFAULTS, MUON_KEYS, NORMUON_KEYS, check_group_keys
+from muonkit.config import MUON_KEYS, NORMUON_KEYS, check_group_keys
+from muonkit.defaults import DEFAULTS, Defaults
 from muonkit.distributed import world_size
 from muonkit.optimizer import HybridMuon
 from muonkit.param_groups import no_decay_on_vectors, param_groups
@@ -104,6 +106,9 @@ def make_optimizer(
       ``muon_algorithm="normuon"`` makes them NorMuon groups (``beta2`` and ``eps`` among
       ``muon_options``, else HybridMuon's NorMuon defaults).
     - ``cautious_wd``: cautious weight decay on every group (Muon, NorMuon and AdamW).
+    - Any other keyword of :class:`muonkit.HybridMuon` among ``muon_options`` that is not a Muon
+      group key (``nonfinite``, ``betas``, ``normuon_beta2``...: :class:`muonkit.defaults.Defaults`)
+      is passed to it, over what ``args`` says.
 
     Pass it as ``Trainer(..., optimizers=(make_optimizer(model, args), None))``.
 
@@ -117,6 +122,7 @@ def make_optimizer(
     :func:`muonkit.integrations.deepspeed.trainer_setup` instead.
     """
     _check_trainer_mode(args)
+    keywords = {k: muon_options.pop(k) for k in [k for k in muon_options if k in _KEYWORDS]}
     allowed = NORMUON_KEYS if muon_algorithm == "normuon" else MUON_KEYS
     check_group_keys(muon_options, " among make_optimizer's Muon options", allowed=allowed, algorithm=muon_algorithm)
     if process_group is None and world_size() > 1:
@@ -130,10 +136,18 @@ def make_optimizer(
     groups = param_groups(
         model, rules=rules, split_qkv=split_qkv, muon_algorithm=muon_algorithm, muon_options=muon_options
     )
-    return HybridMuon(
-        no_decay_on_vectors(groups), lr=muon_lr, weight_decay=wd, adamw_lr=adamw_lr, adamw_weight_decay=wd,
-        process_group=process_group, cautious_wd=cautious_wd, **adamw,
-    )  # fmt: skip
+    settings = {
+        "lr": muon_lr,
+        "weight_decay": wd,
+        "adamw_lr": adamw_lr,
+        "adamw_weight_decay": wd,
+        "cautious_wd": cautious_wd,
+    }
+    return HybridMuon(no_decay_on_vectors(groups), process_group=process_group, **{**settings, **adamw, **keywords})
+
+
+_KEYWORDS = frozenset(f.name for f in fields(Defaults)) - set(NORMUON_KEYS)
+"""HybridMuon's keywords that are no Muon or NorMuon group key: passed to the optimizer, not the groups."""
 
 
 def _check_trainer_mode(args: Any | None) -> None:

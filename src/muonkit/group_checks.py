@@ -1,0 +1,184 @@
+"""What :class:`muonkit.HybridMuon` checks about its param groups and params, with the messages.
+
+At construction and :meth:`~muonkit.HybridMuon.add_param_group` (a group's ``params``, its
+algorithm, the optimizer's keywords) and at every step, before anything changes (the params that
+step, their gradients and their states' shapes): whatever is wrong raises here, naming the group,
+what was wrong and what is allowed. The hyperparameters themselves are validated by
+:func:`muonkit.config.group_config`.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, cast
+
+import torch
+from torch import Tensor
+
+from muonkit.config import MuonConfig, key_hint
+from muonkit.distributed import Strategy
+from muonkit.shapes import full_shape
+
+ROWS = "row_exp_avg_sq"
+"""NorMuon's state: one value per matrix row of the whole param (see :mod:`muonkit.functional.normuon`)."""
+
+SWAPPED_PARAMS = (
+    ". add_param_group checked this group, so its params were replaced afterwards: DeepSpeed ZeRO hands "
+    "step() flat 1-D partitions. Call muonkit.integrations.deepspeed.install(engine) right after "
+    "deepspeed.initialize(optimizer=...), or build the engine with muonkit.integrations.deepspeed.initialize "
+    "(the HF Trainer: muonkit.integrations.deepspeed.trainer_setup)"
+)
+"""Why a Muon group holds a < 2-D tensor at ``step()`` or ``load_state_dict()``."""
+
+
+def check_keywords(owner: str, unknown: Mapping[str, Any], keywords: Sequence[str]) -> None:
+    """Python's unexpected-keyword TypeError, with the hint a torch user needs (``adjust_lr_fn`` -> ``adjust_lr``)."""
+    if unknown:
+        key = next(iter(unknown))
+        raise TypeError(f"{owner}() got an unexpected keyword argument {key!r}{key_hint(key, keywords)}")
+
+
+def tensors_and_names(params: Any, index: int) -> tuple[list[Tensor], list[str] | None]:
+    """A group's ``params`` as a list of tensors, and their names if given as ``(name, tensor)`` pairs."""
+    if isinstance(params, set):
+        raise TypeError("Invalid params: a set has no stable order (state_dict would mismatch); use a list")
+    if isinstance(params, Tensor):
+        return [params], None
+    try:
+        items = list(params)
+    except TypeError:
+        raise TypeError(
+            f"Invalid params in param group {index}: expected a tensor or an iterable of tensors, "
+            f"got {type(params).__name__}"
+        ) from None
+    pairs = [isinstance(p, tuple) for p in items]
+    if any(pairs) and not all(pairs):  # torch.optim's own message
+        raise ValueError("all optimizer params should be with/without names. Some param names are missing")
+    names = None
+    if items and all(pairs):
+        if not all(len(p) == 2 and isinstance(p[0], str) for p in items):
+            raise TypeError(f"Invalid params in param group {index}: named params must be (str, tensor) pairs")
+        names, items = [p[0] for p in items], [p[1] for p in items]
+    for p in items:
+        if not isinstance(p, Tensor):
+            raise TypeError(
+                f"Invalid params in param group {index}: optimizer can only optimize Tensors, "
+                f"but one of the params is {torch.typename(p)}"
+            )
+    return items, names
+
+
+def default_algorithm(params: list[Tensor], index: int, *, advice: str) -> str:
+    """A group without ``algorithm``: Muon if every tensor is >= 2D, else an error ending in ``advice``."""
+    if all(len(full_shape(p)) >= 2 for p in params):
+        return "muon"
+    raise ValueError(f"Param group {index} has no 'algorithm' and contains tensors with < 2 dims: {advice}")
+
+
+def check_muon_params(
+    params: list[Tensor],
+    config: MuonConfig,
+    index: int,
+    *,
+    shapes: Sequence[tuple[int, ...]] | None = None,
+    hint: str = "; put it in an algorithm='adamw' group",
+) -> None:
+    """The tensors of a Muon or NorMuon group (validated as ``config``) are matrices its layout can cut.
+
+    ``shapes``: the whole tensors behind ``params`` when they differ (a strategy's ``whole_shapes``).
+    ``hint``: the advice after a < 2-D tensor's error."""
+    for shape in [full_shape(p) for p in params] if shapes is None else shapes:
+        if len(shape) < 2:
+            raise ValueError(
+                f"Param group {index} (algorithm={config.algorithm!r}) has a tensor of shape {shape}: "
+                f"Muon needs >= 2 dims{hint}"
+            )
+        try:
+            config.layout.blocks(shape)
+        except ValueError as e:
+            raise ValueError(f"{e} in param group {index}") from None
+    check_ns_dtype(config, params, index)
+
+
+def check_ns_dtype(config: MuonConfig, params: Sequence[Tensor], index: int) -> None:
+    """fp16 on a CPU is a user error; catch it here, not halfway through a step."""
+    if config.ns_dtype == torch.float16 and any(p.device.type == "cpu" for p in params):
+        raise ValueError(
+            f"Invalid ns_dtype=torch.float16 in param group {index}: fp16 matmul is ~1000x slower on CPU; "
+            "use torch.bfloat16 or torch.float32"
+        )
+
+
+def checked_work(
+    groups: Sequence[Mapping[str, Any]],
+    configs: Sequence[Any],
+    *,
+    strategy: Strategy,
+    state: Mapping[Tensor, Any],
+) -> list[list[Tensor]]:
+    """The params each group steps (those with a gradient), after every check a step could
+    otherwise fail halfway: gradients, Muon tensors as the strategy sees them, state shapes."""
+    work = [params_with_grad(g) for g in groups]
+    for i, (config, group, params) in enumerate(zip(configs, groups, work, strict=True)):
+        if isinstance(config, MuonConfig):
+            if params:
+                strategy.check_params(params)
+            shapes = [s for p in group["params"] for s in strategy.whole_shapes(p)]
+            check_muon_params(group["params"], config, i, shapes=shapes, hint=SWAPPED_PARAMS)
+        for p in params:
+            check_state_fits(state.get(p, {}), p, strategy.local, i)
+    return work
+
+
+def params_with_grad(group: Mapping[str, Any]) -> list[Tensor]:
+    """The params of ``group`` that have a gradient; sparse and complex gradients raise."""
+    params = [p for p in group["params"] if p.grad is not None]
+    for p in params:
+        grad = cast(Tensor, p.grad)
+        if grad.layout != torch.strided:  # COO, CSR, ...: all sparse layouts
+            raise RuntimeError(
+                "HybridMuon does not support sparse gradients; use torch.optim.SparseAdam for those params"
+            )
+        if p.is_complex() or grad.is_complex():
+            raise RuntimeError("HybridMuon does not support complex params or gradients")
+    return params
+
+
+def check_state_fits(state: Mapping[str, Any], p: Tensor, local: Callable[[Tensor], Tensor], group: int) -> None:
+    """A param whose shape or device changed after it got state (or whose grad does not fit it) raises."""
+    shape, device = tuple(local(p).shape), p.device
+    named = {"grad": cast(Tensor, p.grad)} | {
+        k: v for k, v in state.items() if isinstance(v, Tensor) and v.ndim > 0 and k != ROWS
+    }  # NorMuon's row moments are whole on every rank, checked on load
+    for key, value in named.items():
+        if tuple(local(value).shape) != shape or value.device != device:
+            raise ValueError(
+                f"A param of shape {tuple(p.shape)} on {device} in param group {group} has a {key} of shape "
+                f"{tuple(value.shape)} on {value.device}: a param's shape and device must not change once the "
+                "optimizer has state for it (load a state_dict made for the new param, or build a new optimizer)"
+            )
+
+
+def warn_no_gradients(groups: Sequence[Mapping[str, Any]]) -> None:
+    """A step in which none of the optimizer's params has a gradient trains nothing: say so, and why.
+
+    A warning, not an error: torch.optim allows such a step (a closure that skipped a batch,
+    torch's own optimizer tests). The usual cause is a model wrapped after the optimizer was
+    built (PEFT's ``get_peft_model``, TRL's ``SFTTrainer(peft_config=...)``): the optimizer holds
+    the frozen base weights and the new adapter params it never sees.
+    """
+    params = [p for g in groups for p in g["params"]]
+    if not params:
+        return
+    frozen = sum(not p.requires_grad for p in params)
+    warnings.warn(
+        f"HybridMuon.step() found no gradient on any of its {len(params)} params, so nothing was trained "
+        f"({frozen} of them have requires_grad=False). Likely cause: the model was wrapped or frozen after "
+        "the optimizer was built (PEFT get_peft_model, TRL SFTTrainer(peft_config=...) with an optimizer "
+        "passed in optimizers=): the optimizer holds the frozen base weights, not the new trainable adapter "
+        "params. Build the optimizer from the model that trains (after get_peft_model), or call backward() "
+        "before step()",
+        RuntimeWarning,
+        stacklevel=2,  # the optimizer's step
+    )

@@ -1,0 +1,210 @@
+"""The stages of a step that compute and apply updates: Muon's directions and commit, AdamW's step.
+
+:func:`muon_chunks` computes the directions of a group's params without changing any state
+(momentum buffers and NorMuon row moments are read, new ones made but not stored);
+:func:`commit_muon` stores and advances the momentum the directions were computed from and
+applies them (:func:`muonkit.functional.muon.muon_apply_`), masked on the device by a streamed
+verdict (:class:`muonkit.verdict.Stream`) where there is one. :func:`adamw_step` is
+``torch.optim.AdamW`` (foreach, :func:`muonkit.functional.adamw.adamw_`): states made at a
+param's first step, ``step`` counts on the host (capturable: on the params' device). Where
+tensors live (local shards, owners, collectives) is the strategy's business; the math is
+:mod:`muonkit.functional`'s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, MutableMapping, Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+from torch import Tensor
+
+from muonkit.config import AdamWConfig, MuonConfig
+from muonkit.distributed import Strategy
+from muonkit.functional.adamw import adamw_
+from muonkit.functional.muon import momentum_, momentum_masked_, muon_apply_, muon_apply_masked_, muon_update
+from muonkit.group_checks import ROWS
+from muonkit.limits import work_dtype
+from muonkit.state_checks import row_count
+from muonkit.verdict import Stream
+
+Rates = tuple[float | Tensor, float | Tensor]
+"""A group's ``(lr, weight_decay)`` as a step applies them: numbers, or capturable, 0-dim device tensors."""
+State = MutableMapping[Tensor, Any]
+"""The optimizer's ``state``: a param's dict of state tensors (torch's ``defaultdict(dict)``)."""
+
+
+@dataclass
+class MuonChunk:
+    """One chunk of a Muon step, computed but not applied."""
+
+    params: list[Tensor]
+    buffers: list[Tensor]
+    """Their momentum buffers before the step (new zero ones are not in the state yet)."""
+    directions: list[Tensor]
+    """Local slices of ``scale * orthogonalize(U)``, ``U`` computed from ``buffers``."""
+    rows: list[Tensor] | None = None
+    """NorMuon: the new row moments, stored when the step commits."""
+
+
+def muon_chunks(params: list[Tensor], config: MuonConfig, *, strategy: Strategy, state: State) -> Iterator[MuonChunk]:
+    """The directions of ``params``, chunk by chunk, computed without changing any state.
+
+    Chunks (one matrix shape at a time on one device) bound the scratch memory of computing
+    them (updates, compute batch) to that of the largest chunk, not of every matrix.
+    """
+    if not params:
+        return
+    local = strategy.local
+    for chunk in strategy.muon_chunks(params, config):
+        group = [params[i] for i in chunk]
+        buffers = [_momentum_buffer(p, strategy, state) for p in group]
+        grads = [local(cast(Tensor, p.grad)) for p in group]
+        updates = muon_update(  # the whole chunk in one foreach call
+            [local(b) for b in buffers], grads, momentum=config.momentum, nesterov=config.nesterov
+        )
+        if config.normuon:
+            rows = [_row_moments(p, config, strategy, state).clone() for p in group]  # the strategy writes the new ones
+            directions = strategy.directions(group, updates, config, rows=rows)
+        else:
+            rows, directions = None, strategy.directions(group, updates, config)
+        del updates
+        yield MuonChunk(group, buffers, directions, rows)
+
+
+def _momentum_buffer(p: Tensor, strategy: Strategy, state: State) -> Tensor:
+    """``p``'s momentum buffer, or a new zero one (stored only when the step commits)."""
+    buffer = state.get(p, {}).get("momentum_buffer")
+    return strategy.new_state(p, work_dtype(p.dtype)) if buffer is None else buffer
+
+
+def _row_moments(p: Tensor, config: MuonConfig, strategy: Strategy, state: State) -> Tensor:
+    """``p``'s NorMuon row moments, or new zero ones (stored only when the step commits): one
+    value per matrix row of each whole tensor ``p`` stands for, on every rank."""
+    rows = state.get(p, {}).get(ROWS)
+    if rows is None:
+        count = row_count(p, whole_shapes=strategy.whole_shapes, layout=config.layout) or 0
+        rows = torch.zeros(count, dtype=work_dtype(p.dtype), device=p.device)
+    return rows
+
+
+def commit_batches(chunks: Iterable[MuonChunk]) -> Iterator[list[MuonChunk]]:
+    """The chunks of a group to commit together: all of them when they are held (a checked step)
+    and their params are fp32 or fp64, so a group's commit is a few ``_foreach`` calls; one at a
+    time otherwise (unchecked, a chunk is applied as it comes; a low-precision param is updated
+    through an fp32 copy, which one chunk at a time keeps the size of a chunk)."""
+    if not isinstance(chunks, list):
+        for chunk in chunks:
+            yield [chunk]
+        return
+    if all(p.dtype in (torch.float32, torch.float64) for chunk in chunks for p in chunk.params):
+        if chunks:
+            yield chunks
+        return
+    for chunk in chunks:
+        yield [chunk]
+
+
+def commit_muon(
+    chunks: Sequence[MuonChunk],
+    config: MuonConfig,
+    rates: Rates,
+    stream: Stream | None,
+    *,
+    strategy: Strategy,
+    state: State,
+    wrote: Callable[[], None],
+) -> None:
+    """Store and advance the momentum the directions were computed from, then apply them.
+
+    Every chunk given is committed by the same few ``_foreach`` calls (see :func:`commit_batches`).
+    In a streamed step (``stream``) the chunk's directions are checked first: on the host where
+    reads are free (a non-finite one leaves the chunk unapplied), else on the device, where
+    the commit is masked by the step's verdict and that check. ``wrote`` is called before the
+    first write to the state or params.
+    """
+    local = strategy.local
+    params = [p for chunk in chunks for p in chunk.params]
+    buffers = [b for chunk in chunks for b in chunk.buffers]
+    directions = [d for chunk in chunks for d in chunk.directions]
+    ok = None if stream is None else stream.check(directions)
+    if ok is False:
+        for chunk in chunks:
+            chunk.directions.clear()
+        return
+    wrote()
+    if stream is not None:
+        stream.created += [p for p in params if p not in state]
+    for p, buffer in zip(params, buffers, strict=True):
+        state[p]["momentum_buffer"] = buffer
+    for chunk in chunks:
+        if chunk.rows is not None:
+            for p, rows in zip(chunk.params, chunk.rows, strict=True):
+                old = state[p].get(ROWS)
+                if isinstance(ok, Tensor):  # masked: the old moments (or zeros) unless ok
+                    rows = torch.where(ok, rows, torch.zeros_like(rows) if old is None else old)
+                state[p][ROWS] = rows
+    grads = [local(cast(Tensor, p.grad)) for p in params]
+    if isinstance(ok, Tensor):
+        momentum_masked_([local(b) for b in buffers], grads, momentum=config.momentum, ok=ok)
+        muon_apply_masked_(
+            [local(p) for p in params],
+            directions,
+            ok=ok,
+            lr=rates[0],
+            weight_decay=rates[1],
+            cautious_wd=config.cautious_wd,
+        )
+    else:
+        momentum_([local(b) for b in buffers], grads, momentum=config.momentum)
+        muon_apply_(
+            [local(p) for p in params],
+            directions,
+            lr=rates[0],
+            weight_decay=rates[1],
+            cautious_wd=config.cautious_wd,
+        )
+    for chunk in chunks:
+        chunk.directions.clear()  # free them now, not when the next chunk replaces this one
+
+
+def adamw_step(
+    params: list[Tensor],
+    config: AdamWConfig,
+    rates: Rates,
+    *,
+    strategy: Strategy,
+    state: State,
+    capturable: bool,
+    wrote: Callable[[], None],
+) -> None:
+    """One AdamW step on ``params`` (those of a group with a gradient); ``wrote`` is called
+    before the first write."""
+    if not params:
+        return
+    wrote()
+    local = strategy.local
+    exp_avgs, exp_avg_sqs, steps = [], [], []
+    for p in params:
+        own = state[p]
+        if "step" not in own:
+            own["step"] = torch.zeros((), dtype=torch.float32, device=p.device if capturable else "cpu")
+            own["exp_avg"] = strategy.new_state(p, work_dtype(p.dtype))
+            own["exp_avg_sq"] = strategy.new_state(p, work_dtype(p.dtype))
+        exp_avgs.append(local(own["exp_avg"]))
+        exp_avg_sqs.append(local(own["exp_avg_sq"]))
+        steps.append(own["step"])
+    adamw_(
+        [local(p) for p in params],
+        [local(cast(Tensor, p.grad)) for p in params],
+        exp_avgs,
+        exp_avg_sqs,
+        steps,
+        lr=rates[0],
+        beta1=config.beta1,
+        beta2=config.beta2,
+        eps=config.eps,
+        weight_decay=rates[1],
+        cautious_wd=config.cautious_wd,
+    )
