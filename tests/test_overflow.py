@@ -415,7 +415,9 @@ def test_fuzzed_unchecked_steps_within_the_limits_stay_loadable() -> None:
     """ "unchecked" compares nothing; within the limits the guarantee holds all the same."""
     outcomes: Counter[str] = Counter()
 
-    @settings(max_examples=EXAMPLES // 2)
+    # Not EXAMPLES // 2: with 25 examples the "within" count sat near its floor, and hypothesis's
+    # derandomized examples still differ with what was collected before (7 to 12 within, measured).
+    @settings(max_examples=EXAMPLES)
     @given(setup=_setups())
     def run(setup: dict[str, Any]) -> None:
         params, opt = _fuzz_optimizer(setup, "unchecked")
