@@ -32,6 +32,13 @@ the holder that has sent the fewest elements so far in this plan (ties: the lowe
 the update dtype) travel in one ``all_to_all`` each way; groups run largest first, so the biggest
 transfers overlap the most Newton-Schulz.
 
+**Cost**: O(jobs log W + pieces), the same on every rank. Owners take one pass over each free
+job's holders (elements per rank come from the job's
+:class:`~muonkit.distributed.pieces.Holders`, shared by every job laid out alike and derived
+once), the least-loaded rank comes from a heap; sources walk each job's distinct regions once.
+What each rank then sends and receives is derived from the plan once, by
+:func:`muonkit.distributed.schedule.rank_schedule`.
+
 Example: two ranks of DDP and one (8, 8) and two (4, 4) matrices::
 
     >>> from muonkit.distributed.pieces import Box

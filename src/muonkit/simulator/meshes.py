@@ -71,7 +71,8 @@ class MeshSpec:
         return self.stage_ranks * self.pp
 
     def describe(self) -> str:
-        parts = [f"tp={self.tp}"] if self.tp > 1 else []
+        parts = [f"pp={self.pp}"] if self.pp > 1 else []
+        parts += [f"tp={self.tp}"] if self.tp > 1 else []
         parts += [f"ep={self.ep}"] if self.ep > 1 else []
         if self.ddp:
             parts.append(f"ddp={self.replicate}")
@@ -79,7 +80,6 @@ class MeshSpec:
             parts.append(f"hsdp={self.replicate}x{self.shard}")
         else:
             parts.append(f"fsdp={self.shard}")
-        parts += [f"pp={self.pp}"] if self.pp > 1 else []
         return ",".join(parts)
 
     def layout(self, matrix: Matrix, experts: int) -> tuple[tuple[Placement, ...], torch.Tensor] | None:

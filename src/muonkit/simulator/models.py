@@ -31,6 +31,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 __all__ = ["BUNDLED", "Matrix", "ModelShapes", "bundled", "from_config", "load"]
 
 
@@ -246,7 +248,7 @@ def _deepseek_v3(c: Mapping[str, Any]) -> Listed:
             (p + "mlp.experts.down_proj", (experts, h, moe), "experts", i),
             *_mlp(p + "mlp.shared_experts.", h, shared, i),
         ]
-        norms += experts * h + experts  # the router (AdamW) and its score-correction bias
+        norms += experts * h  # the router (AdamW; its score-correction bias is a buffer)
     return out, _embeddings(c, h) | {"rest": norms}
 
 
@@ -271,7 +273,11 @@ def from_config(path: str | os.PathLike[str]) -> ModelShapes:
         if r.algorithm == "muon"
     )  # fmt: skip
     kinds = {"embedding": 0, "rest": 0}
-    embeddings = {id(m.weight) for m in model.modules() if type(m).__name__.endswith("Embedding")}
+    embeddings = {
+        id(m.weight)
+        for m in model.modules()
+        if type(m).__name__.endswith("Embedding") and isinstance(getattr(m, "weight", None), torch.Tensor)
+    }  # not rotary embeddings: no weight
     muon = {m.name for m in matrices}
     for name, p in model.named_parameters():  # a tied weight once
         if name not in muon:

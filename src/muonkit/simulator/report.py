@@ -44,7 +44,7 @@ def row(sim: Simulation) -> str:
         f"{d['jobs']:,}",
         f"{d['pieces']:,}",
         f"{d['plan_seconds']:.2f}",
-        f"{d['plan_memory_bytes'] / 2**20:.0f}",
+        f"{d['plan_memory_bytes'] / 2**20:.1f}",
         f"{describe_flops(d['ns_flops_busiest'])} ({d['ns_busiest_over_mean']:.2f}x)",
         f"{describe_bytes(d['sent_bytes_busiest'])} ({d['sent_bytes_busiest'] / grad:.3g}x)",
         f"{describe_bytes(d['received_bytes_busiest'])} ({d['received_bytes_busiest'] / grad:.3g}x)",
