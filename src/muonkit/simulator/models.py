@@ -282,7 +282,10 @@ def from_config(path: str | os.PathLike[str]) -> ModelShapes:
     for name, p in model.named_parameters():  # a tied weight once
         if name not in muon:
             kinds["embedding" if id(p) in embeddings else "rest"] += p.numel()
-    return _counted(os.fspath(path), matrices, kinds, config)
+    name = os.path.basename(os.path.normpath(path))
+    if name == "config.json":  # a checkpoint folder's config: name it by the folder
+        name = os.path.basename(os.path.dirname(os.path.abspath(path))) or name
+    return _counted(name, matrices, kinds, config)
 
 
 def _auto(shape: tuple[int, ...]) -> str:

@@ -123,11 +123,12 @@ class Simulation:
     received: list[int] = field(default_factory=list)
     work: list[int] = field(default_factory=list)
     """Pieces each rank sends, receives, assembles or writes per step (its share of host work)."""
+    gradient_bytes: int = 0
+    """One bf16 gradient of the Muon params of the largest stage (the unit of the byte ratios)."""
     host: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         w = len(self.flops)
-        grad = 2 * self.model.muon_numel / self.mesh.pp  # one bf16 gradient of a stage's Muon params
         overhead = self.overhead()
         return {
             "model": self.model.name,
@@ -145,7 +146,7 @@ class Simulation:
             "sent_bytes_mean": sum(self.sent) / w,
             "received_bytes_busiest": max(self.received),
             "received_bytes_mean": sum(self.received) / w,
-            "bf16_gradient_bytes": grad,
+            "bf16_gradient_bytes": self.gradient_bytes,
             "host": self.host,
             "estimate": {**vars(self.estimate), **overhead},
         }
@@ -182,6 +183,7 @@ def simulate(model: ModelShapes, mesh: MeshSpec, *, estimate: Estimate | None = 
         sim.work += work
         sim.jobs += sum(len(g.plan.jobs) for g in planned.groups)
         sim.pieces += sum(len(job.held) for g in planned.groups for job in g.plan.jobs)
+        sim.gradient_bytes = max(sim.gradient_bytes, 2 * sum(m.numel for g in planned.groups for m in g.matrices))
         rank = max(range(w), key=lambda r: (work[r], -r))
         if host and work[rank] > busiest[0]:
             sim.host = {"stage": stage, "rank": rank, "pieces": work[rank], **host_step(planned, rank)}
