@@ -1,4 +1,4 @@
-"""The ``muonkit`` command: ``muonkit inspect``, ``muonkit bench <name>``, ``muonkit convert-deepspeed``.
+"""The ``muonkit`` command: ``muonkit inspect``, ``muonkit plan``, ``muonkit bench <name>``, ``muonkit convert-deepspeed``.
 
 ``muonkit bench`` is the benchmark suite, a separate package (:mod:`muonkit_bench`, installed by
 the ``bench`` extra) that this module reaches by name only when it is installed; the library
@@ -18,6 +18,7 @@ from types import ModuleType
 from typing import Any
 
 from muonkit.integrations import deepspeed_convert
+from muonkit.simulator import command
 
 BENCH_SUITE = "muonkit_bench.cli"
 INSTALL_BENCH = "pip install 'muonkit[bench]' (from a clone of the repository: make setup)"
@@ -48,6 +49,11 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     inspect.add_argument("--split-qkv", action="store_true", help="split fused QKV projections into Q, K, V blocks")
     inspect.add_argument("--json", metavar="PATH", help="also write the report as JSON")
+    plan = commands.add_parser(
+        "plan", help=command.HELP, description=command.DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    command.add_arguments(plan)
+    plan.set_defaults(run=command.run)
     convert = commands.add_parser(
         "convert-deepspeed", help=deepspeed_convert.HELP, description=deepspeed_convert.DESCRIPTION
     )

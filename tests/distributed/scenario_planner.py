@@ -140,3 +140,22 @@ def split_blocks_scaled_per_element_on_arrival(ctx: Context) -> None:
     jobs = [Job(0, (12, 6), MatrixLayout("matrix", (3, 9)), tuple(Piece(r, boxes[r]) for r in range(4)))]
     assert math.prod((12, 6)) == sum(b.numel for b in boxes)
     _run(ctx, jobs, [(12, 6)], _config((3, 9)))
+
+
+@check(4)
+def grids_strided_rows_and_column_blocks_travel_as_views(ctx: Context) -> None:
+    """The executor's cut paths: a 2 x 2 grid of blocks (Shard(0) x Shard(1)), rows strided over
+    ranks with whole columns (several flat ranges per piece), column blocks replicated twice, and
+    experts' row blocks (flat ranges at Expert(k))."""
+    grid = [Box((((4 * (r // 2), 4 * (r // 2) + 4),), ((3 * (r % 2), 3 * (r % 2) + 3),))) for r in range(4)]
+    strided = [Box((((r, r + 1), (r + 4, r + 5)), ((0, 5),))) for r in range(4)]
+    columns = [Box((((0, 6),), ((2 * (r % 2), 2 * (r % 2) + 2),))) for r in range(4)]
+    jobs = [
+        Job(0, (8, 6), MATRIX, tuple(Piece(r, grid[r]) for r in range(4))),
+        Job(1, (8, 5), MATRIX, tuple(Piece(r, strided[r]) for r in range(4))),
+        Job(2, (6, 4), MATRIX, tuple(Piece(r, columns[r]) for r in range(4))),
+    ]
+    for expert in range(2):  # stack (2, 4, 3): both experts on every rank, rows split over rank pairs
+        rows = [Box((((2 * (r % 2), 2 * (r % 2) + 2),), ((0, 3),))) for r in range(4)]
+        jobs.append(Job(3, (4, 3), MATRIX, tuple(Piece(r, rows[r], Expert(expert)) for r in range(4))))
+    _run(ctx, jobs, [(8, 6), (8, 5), (6, 4), (2, 4, 3)], _config())

@@ -82,7 +82,7 @@ class DTensorStrategy(PlannedStrategy):
         self.mesh = meshes[0]
         self.replicated = list(replicated)
         self._jobs: dict[Any, list[Job]] = {}  # a param's jobs depend only on its layout: built once
-        self._box_cache: dict[Any, list[Any]] = {}  # by DTensor spec (mesh, placements, shape)
+        self._box_cache: dict[Any, Sequence[Any]] = {}  # by DTensor spec (mesh, placements, shape)
 
     def check_participation(self, has_grad: Sequence[bool], settings: Callable[[], Sequence[Setting]] = list) -> None:
         """Also: the plain params (replicated beside the DTensors) have the same gradients on every rank.
@@ -148,7 +148,7 @@ class DTensorStrategy(PlannedStrategy):
             out += jobs
         return out
 
-    def _boxes(self, param: Tensor) -> list[Any]:
+    def _boxes(self, param: Tensor) -> Sequence[Any]:
         if not isinstance(param, DTensor):
             if any(param is p for p in self.replicated):  # a whole copy on every rank of the group
                 return [(r, Box.full(tuple(param.shape))) for r in range(self.comm.world_size)]

@@ -46,14 +46,16 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
-from muonkit.distributed.pieces import At, Box, Expert, Job, Piece, Runs
+from muonkit.distributed.pieces import At, Box, Expert, Holders, Job, Piece, Pieces, Runs
 from muonkit.functional.matrices import MatrixLayout
 
 __all__ = [
     "SUPPORTED",
     "MeshGroup",
     "check_placements",
+    "clear_caches",
     "dim_runs",
+    "layout_caches",
     "mesh_boxes",
     "mesh_group",
     "rank_boxes",
@@ -132,7 +134,6 @@ def _default_order(placements: Sequence[Placement]) -> tuple[Any, ...]:
     return tuple(DTensorSpec.compute_default_shard_order(tuple(placements)))
 
 
-@functools.lru_cache(maxsize=65536)
 def dim_runs(size: int, splits: tuple[Split, ...]) -> Runs:
     """The runs of ``arange(size)`` left after each split in turn, in storage order.
 
@@ -142,10 +143,37 @@ def dim_runs(size: int, splits: tuple[Split, ...]) -> Runs:
     >>> dim_runs(5, ((Shard(0), 4, 2),))   # torch.chunk(arange(5), 4): [0, 1], [2, 3], [4], []
     ((4, 5),)
     """
-    index = torch.arange(size)
-    for placement, parts, coordinate in splits:
-        index = placement._split_tensor(index, parts, with_padding=False, contiguous=False)[0][coordinate]
-    return _runs(index.tolist())
+    table = _split_table(size, tuple((placement, parts) for placement, parts, _ in splits))
+    return table[tuple(coordinate for _, _, coordinate in splits)]
+
+
+@functools.lru_cache(maxsize=4096)
+def _split_table(size: int, cuts: tuple[tuple[Shard | _StridedShard, int], ...]) -> dict[tuple[int, ...], Runs]:
+    """:func:`dim_runs` of every coordinate of the cutting mesh dims at once.
+
+    Each index set is split once for all its parts (torch's split, as one coordinate's would be),
+    so a dim cut W ways costs O(size + W), not W splits of the whole.
+    """
+    level: dict[tuple[int, ...], torch.Tensor] = {(): torch.arange(size)}
+    for placement, parts in cuts:
+        split: dict[tuple[int, ...], torch.Tensor] = {}
+        for coordinate, index in level.items():
+            chunks = placement._split_tensor(index, parts, with_padding=False, contiguous=False)[0]
+            for c in range(parts):
+                split[(*coordinate, c)] = chunks[c]
+        level = split
+    return {coordinate: _runs(index.tolist()) for coordinate, index in level.items()}
+
+
+def layout_caches() -> tuple[Any, ...]:
+    """The caches of layouts computed so far (boxes, splits, shared holders), kept for the process."""
+    return (_split_table, mesh_boxes, _rank_boxes, _table)
+
+
+def clear_caches() -> None:
+    """Forget every layout computed so far: for measuring a cold start."""
+    for cached in layout_caches():
+        cached.cache_clear()
 
 
 def _runs(index: list[int]) -> Runs:
@@ -186,13 +214,23 @@ def mesh_boxes(
     return boxes
 
 
-def rank_boxes(shape: Sequence[int], placements: Sequence[Placement], ranks: torch.Tensor) -> list[tuple[int, Box]]:
-    """``(rank, box)`` for every rank of the mesh, in rank order.
+def rank_boxes(
+    shape: Sequence[int], placements: Sequence[Placement], ranks: torch.Tensor
+) -> tuple[tuple[int, Box], ...]:
+    """``(rank, box)`` for every rank of the mesh, in rank order (the same object for the same layout).
 
     ``ranks``: a mesh-shaped integer tensor, the process group rank at each mesh coordinate.
     """
-    boxes = mesh_boxes(tuple(int(n) for n in shape), tuple(placements), tuple(ranks.shape))
-    return sorted(zip(ranks.reshape(-1).tolist(), boxes.values(), strict=True))  # both in row-major order
+    flat = tuple(int(r) for r in ranks.reshape(-1).tolist())
+    return _rank_boxes(tuple(int(n) for n in shape), tuple(placements), tuple(ranks.shape), flat)
+
+
+@functools.lru_cache(maxsize=4096)
+def _rank_boxes(
+    shape: tuple[int, ...], placements: tuple[Placement, ...], mesh_shape: tuple[int, ...], ranks: tuple[int, ...]
+) -> tuple[tuple[int, Box], ...]:
+    boxes = mesh_boxes(shape, placements, mesh_shape)
+    return tuple(sorted(zip(ranks, boxes.values(), strict=True)))  # both in row-major order
 
 
 def tensor_jobs(
@@ -206,21 +244,27 @@ def tensor_jobs(
     contiguously in its local tensor, at ``At(offset)``), else the whole tensor; a transposed
     tensor with ``split_sizes`` is one job (its blocks are columns of the storage). Empty pieces
     are left out; a param with no elements has no job.
+
+    Whole tensors and experts get :class:`~muonkit.distributed.pieces.Pieces` over one
+    :class:`~muonkit.distributed.pieces.Holders` per ``holders`` object (per group of ranks holding
+    the same experts), shared by every param laid out alike: O(jobs + holders), not one object
+    per job and holder.
     """
     shape = tuple(int(n) for n in shape)
     if not math.prod(shape):
         return []
     kind = layout.resolved(len(shape))
+    table = _table(_ById(holders))
     if kind == "transposed" or (kind != "experts" and layout.split_sizes is None):
-        return [Job(tensor, shape, layout, tuple(Piece(rank, box) for rank, box in holders if box.numel))]
+        return [Job(tensor, shape, layout, Pieces(table.whole))]
     if kind == "experts":
-        units = _experts(shape, holders)
+        units = [(shape[-2:], pieces) for pieces in table.experts(shape)]
         base = MatrixLayout("matrix")
     else:
-        units = [(shape, [Piece(rank, box) for rank, box in holders if box.numel])]
+        units = [(shape, Pieces(table.whole))]
         base = MatrixLayout(kind)
     if layout.split_sizes is None:
-        return [Job(tensor, whole, base, tuple(pieces)) for whole, pieces in units]
+        return [Job(tensor, whole, base, pieces) for whole, pieces in units]
     jobs = []
     for whole, pieces in units:
         start = 0
@@ -231,18 +275,68 @@ def tensor_jobs(
     return jobs
 
 
-def _experts(shape: tuple[int, ...], holders: Sequence[tuple[int, Box]]) -> list[tuple[tuple[int, ...], list[Piece]]]:
-    """Each expert matrix of a stack and its pieces (``Expert(k)``: matrix k of the holder's local stack)."""
+class _ById:
+    """A key that is one object itself (its identity), kept alive while the key is."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __hash__(self) -> int:
+        return id(self.value)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _ById) and other.value is self.value
+
+
+@functools.lru_cache(maxsize=1024)
+def _table(key: _ById) -> _HolderTable:
+    return _HolderTable(tuple(key.value))
+
+
+class _HolderTable:
+    """What every rank holds of one tensor, as the planner's shared :class:`Holders`, built once."""
+
+    def __init__(self, holders: tuple[tuple[int, Box], ...]) -> None:
+        self.holders = tuple((rank, box) for rank, box in holders if box.numel)  # empty pieces left out
+        self._experts: dict[tuple[int, ...], list[Sequence[Piece]]] = {}
+
+    @functools.cached_property
+    def whole(self) -> Holders:
+        return Holders(tuple(rank for rank, _ in self.holders), tuple(box for _, box in self.holders))
+
+    def experts(self, shape: tuple[int, ...]) -> list[Sequence[Piece]]:
+        """The pieces of each expert matrix of a stack of ``shape``, in expert order."""
+        if shape not in self._experts:
+            self._experts[shape] = _experts(shape, self.holders)
+        return self._experts[shape]
+
+
+def _experts(shape: tuple[int, ...], holders: Sequence[tuple[int, Box]]) -> list[Sequence[Piece]]:
+    """Each expert matrix's pieces (``Expert(k)``: matrix k of the holder's local stack), in rank order.
+
+    The ranks holding the same experts (the same runs of the leading dims) form one group: one
+    :class:`Holders` (their ranks and matrix regions) for all its experts, expert ``k`` of the
+    group's local stack at ``Expert(k)`` on each of them.
+    """
     lead = shape[:-2]
-    experts: list[list[Piece]] = [[] for _ in range(math.prod(lead))]
+    groups: dict[tuple[Runs, ...], list[tuple[int, Box]]] = {}
     for rank, box in holders:
-        if not box.numel:
-            continue
-        region = Box(box.runs[-2:])
-        held_lead = [[i for a, b in runs for i in range(a, b)] for runs in box.runs[:-2]]
-        for k, index in enumerate(itertools.product(*held_lead)):  # local stack order
-            experts[_flat(index, lead)].append(Piece(rank, region, Expert(k)))
-    return [(shape[-2:], pieces) for pieces in experts]
+        groups.setdefault(box.runs[:-2], []).append((rank, Box(box.runs[-2:])))
+    experts: list[list[Sequence[Piece]]] = [[] for _ in range(math.prod(lead))]
+    for runs, members in groups.items():
+        shared = Holders(tuple(rank for rank, _ in members), tuple(region for _, region in members))
+        index = [[i for a, b in dim for i in range(a, b)] for dim in runs]
+        for k, position in enumerate(itertools.product(*index)):  # local stack order
+            experts[_flat(position, lead)].append(Pieces(shared, Expert(k)))
+    order = {rank: i for i, (rank, _) in enumerate(holders)}
+    return [parts[0] if len(parts) == 1 else _merged(parts, order) for parts in experts]
+
+
+def _merged(parts: list[Sequence[Piece]], order: dict[int, int]) -> tuple[Piece, ...]:
+    """An expert held by several groups or none (not a layout torch makes): its pieces in holder order."""
+    return tuple(sorted((p for pieces in parts for p in pieces), key=lambda p: order[p.rank]))
 
 
 def _rows(piece: Piece, start: int, stop: int) -> Piece | None:
@@ -292,7 +386,7 @@ class MeshGroup:
     dims: dict[DeviceMesh, tuple[int | None, ...]]
     """Per param mesh: for each dim of ``ranks[mesh]``, the mesh's own dim (None: a dim it lacks, replicated)."""
 
-    def boxes(self, param: Any) -> list[tuple[int, Box]]:
+    def boxes(self, param: Any) -> tuple[tuple[int, Box], ...]:
         """``(group rank, box)`` of every rank for a DTensor ``param`` (see :func:`rank_boxes`)."""
         mesh, shape = param.device_mesh, tuple(param.shape)
         spec = param._spec

@@ -28,6 +28,7 @@ bit for bit wherever batched products do not depend on the batch.
 from __future__ import annotations
 
 import dataclasses
+import math
 from abc import abstractmethod
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
@@ -37,13 +38,16 @@ from torch import Tensor
 
 from muonkit.config import MuonConfig
 from muonkit.distributed.agreement import Setting
-from muonkit.distributed.base import Strategy
+from muonkit.distributed.base import Strategy, StrategyStats
 from muonkit.distributed.collectives import Collectives, Pending, group_of
 from muonkit.distributed.pieces import Box, Job, Piece, Region, Span, local_part
 from muonkit.distributed.planner import Plan, job_cost, make_plan, scale_of, wire_dtype
+from muonkit.distributed.schedule import Cuts, Exchange, Grid, GroupSchedule, rank_schedule
+from muonkit.functional.lr_scaling import lr_scale
+from muonkit.functional.matrices import MatrixLayout
 from muonkit.functional.muon import NSOptions
 
-__all__ = ["PlannedStrategy"]
+__all__ = ["PlannedStrategy", "group_keys"]
 
 _PLAN_CACHE = 64  # plans kept per strategy (one per distinct call: chunk, partition, config)
 
@@ -53,12 +57,14 @@ class PlannedStrategy(Strategy):
 
     name = "planned"
 
-    def __init__(self, process_group: Any) -> None:
+    def __init__(self, process_group: Any, *, comm: Callable[[StrategyStats], Collectives] | None = None) -> None:
+        """``comm``: makes the collectives from the stats instead (the plan simulator's stand-in)."""
         super().__init__()
-        self.comm = Collectives(group_of(process_group), self.stats)
+        self.comm = comm(self.stats) if comm is not None else Collectives(group_of(process_group), self.stats)
         self._plans: dict[Hashable, Plan] = {}
         self._plans_by_layout: dict[Hashable, Plan] = {}
         self._scales: dict[Hashable, Tensor] = {}
+        self._uniform_scales: dict[Hashable, float] = {}  # nan: blocks of different scales
 
     @abstractmethod
     def jobs(self, params: list[Tensor], updates: list[Tensor], config: MuonConfig) -> list[Job]:
@@ -115,7 +121,8 @@ class PlannedStrategy(Strategy):
         self, jobs: Sequence[Job], updates: Sequence[Tensor], config: MuonConfig, *, one_group: bool = False
     ) -> Plan:
         """The (cached) plan of ``jobs``: groups by matrix shapes and update dtype, or one group."""
-        keys = None if one_group else [_group_key(job, updates[job.tensor].dtype) for job in jobs]
+        dtypes = [u.dtype for u in updates]
+        keys = None if one_group else group_keys(jobs, dtypes)
         cache_key = (
             tuple(jobs),
             None if keys is None else tuple(keys),
@@ -146,114 +153,85 @@ class PlannedStrategy(Strategy):
         ``out`` may be ``updates`` itself: a job's regions are read (sent, or viewed by its owner)
         before they are written, and jobs do not share regions. ``rows`` (NorMuon): each
         tensor's row moments, whole on every rank; overwritten with the new ones (see
-        :class:`_RowMoments`).
+        :class:`_RowMoments`). What this rank sends, receives and writes comes from its
+        :func:`~muonkit.distributed.schedule.rank_schedule`, computed at the plan's first run.
         """
         moments = _RowMoments(plan, rows) if rows is not None else None
-        gathers = [self._gather(plan, group, updates) for group in plan.groups]
+        schedule = rank_schedule(plan, self.comm.rank, self.comm.world_size)
+        likes = [updates[plan.jobs[group[0]].tensor] for group in plan.groups]
+        gathers = [self._gather(plan, part, updates, like) for part, like in zip(schedule, likes, strict=True)]
         returns = []
-        for k, group in enumerate(plan.groups):
-            like = updates[plan.jobs[group[0]].tensor]
+        for k, part in enumerate(schedule):
+            like = likes[k]
             wire = wire_dtype(config, like)
             on_owner = wire == like.dtype  # nothing to cast up on arrival: the owner scales, as one device does
             options = config.ns_options if on_owner else dataclasses.replace(config.ns_options, adjust_lr=None)
-            mine = [j for j in group if plan.owners[j] == self.comm.rank]
-            ready = [j for j in mine if all(p.rank == self.comm.rank for p in plan.sources[j])]
+            ready = part.ready
             results = dict(
-                zip(ready, self._orthogonalize(plan, ready, updates, {}, options, config, moments), strict=True)
+                zip(ready, self._orthogonalize(plan, ready, updates, (part, []), options, config, moments), strict=True)
             )
-            received = self._wait(gathers[k], plan, group)
+            received = self._wait(gathers[k], part)
             gathers[k] = None  # free the received pieces now, not at the end of the step
-            rest = [j for j in mine if j not in results]
-            computed = self._orthogonalize(plan, rest, updates, received, options, config, moments)
+            rest = [j for j in part.mine if j not in results]
+            computed = self._orthogonalize(plan, rest, updates, (part, received), options, config, moments)
             results.update(zip(rest, computed, strict=True))
-            returns.append((on_owner, *self._send_back(plan, group, results, wire, like)))
-            for j, direction in results.items():
-                for piece in plan.jobs[j].receivers:
-                    if piece.rank == self.comm.rank:
-                        self._write(plan.jobs[j], piece, piece.region.read(direction), out, config, scaled=on_owner)
-        for on_owner, pending, pieces in returns:
+            returns.append((on_owner, part, *self._send_back(plan, part, results, wire, like)))
+            mine = _parts(results, part.local, part.local_results, part.local_grids)
+            self._write_all(plan, part.local, part.local_cuts, mine, out, config, scaled=on_owner)
+        for on_owner, part, pending, arrived in returns:
             if pending is not None:
                 pending.wait()
-            for (j, piece), data in pieces:
-                self._write(plan.jobs[j], piece, data, out, config, scaled=on_owner)
+            if part.back is not None:
+                self._write_all(plan, part.back.receive, part.back.mine, arrived, out, config, scaled=on_owner)
         if moments is not None:
             moments.share(self.comm)
 
     # -- the two exchanges ---------------------------------------------------------------------
 
-    def _gather(self, plan: Plan, group: Sequence[int], updates: Sequence[Tensor]) -> tuple[Pending, Tensor] | None:
+    def _gather(
+        self, plan: Plan, part: GroupSchedule, updates: Sequence[Tensor], like: Tensor
+    ) -> tuple[Pending, Tensor] | None:
         """Start sending my source pieces of others' jobs to their owners (one all_to_all)."""
-        if not plan.gathers(group):
+        exchange = part.gather
+        if exchange is None:
             return None
-        me, world = self.comm.rank, self.comm.world_size
-        outgoing: list[list[Tensor]] = [[] for _ in range(world)]
-        for j in group:
-            for piece in plan.sources[j]:
-                if piece.rank == me and plan.owners[j] != me:
-                    outgoing[plan.owners[j]].append(local_part(updates[plan.jobs[j].tensor], piece).reshape(-1))
-        like = updates[plan.jobs[group[0]].tensor]
-        incoming = [sum(p.region.numel for _, p in self._sources_from(plan, group, r)) for r in range(world)]
-        return self._all_to_all(outgoing, incoming, like=like, dtype=like.dtype)
+        outgoing = exchange.mine.views(updates)
+        if outgoing is None:  # a local tensor stored out of its flat order: piece by piece
+            outgoing = [local_part(updates[plan.jobs[j].tensor], piece).reshape(-1) for j, piece in exchange.send]
+        return self._all_to_all(outgoing, exchange, like=like, dtype=like.dtype)
 
-    def _wait(
-        self, gather: tuple[Pending, Tensor] | None, plan: Plan, group: Sequence[int]
-    ) -> dict[tuple[int, Piece], Tensor]:
-        """The received source pieces of my jobs, by (job, piece)."""
-        if gather is None:
-            return {}
+    def _wait(self, gather: tuple[Pending, Tensor] | None, part: GroupSchedule) -> list[Tensor]:
+        """The received source pieces of my jobs, in the order of ``part.gather.receive``."""
+        if gather is None or part.gather is None:
+            return []
         pending, buffer = gather
         pending.wait()
-        out: dict[tuple[int, Piece], Tensor] = {}
-        offset = 0
-        for r in range(self.comm.world_size):
-            for j, piece in self._sources_from(plan, group, r):
-                out[(j, piece)] = buffer[offset : offset + piece.region.numel]
-                offset += piece.region.numel
-        return out
-
-    def _sources_from(self, plan: Plan, group: Sequence[int], rank: int) -> list[tuple[int, Piece]]:
-        """The source pieces ``rank`` sends me for the jobs I own in ``group``, in sending order."""
-        if rank == self.comm.rank:
-            return []
-        return [(j, p) for j in group if plan.owners[j] == self.comm.rank for p in plan.sources[j] if p.rank == rank]
+        return list(torch.split(buffer, part.gather.sizes)) if part.gather.sizes else []
 
     def _send_back(
-        self, plan: Plan, group: Sequence[int], results: dict[int, Tensor], wire: torch.dtype, like: Tensor
-    ) -> tuple[Pending | None, list[tuple[tuple[int, Piece], Tensor]]]:
-        """Start sending each receiver its regions of my results (one all_to_all)."""
-        if not plan.returns(group):
+        self, plan: Plan, part: GroupSchedule, results: dict[int, Tensor], wire: torch.dtype, like: Tensor
+    ) -> tuple[Pending | None, list[Tensor]]:
+        """Start sending each receiver its regions of my results (one all_to_all); the pieces I will
+        receive, in the order of ``part.back.receive``."""
+        exchange = part.back
+        if exchange is None:
             return None, []
-        me, world = self.comm.rank, self.comm.world_size
-        outgoing: list[list[Tensor]] = [[] for _ in range(world)]
-        for j in group:
-            if plan.owners[j] == me:
-                for piece in plan.jobs[j].receivers:
-                    if piece.rank != me:
-                        outgoing[piece.rank].append(piece.region.read(results[j]).to(wire))
-        expected: list[list[tuple[int, Piece]]] = [[] for _ in range(world)]
-        for j in group:
-            if plan.owners[j] != me:
-                expected[plan.owners[j]] += [(j, p) for p in plan.jobs[j].receivers if p.rank == me]
-        incoming = [sum(p.region.numel for _, p in e) for e in expected]
-        pending, buffer = self._all_to_all(outgoing, incoming, like=like, dtype=wire)
-        pieces, offset = [], 0
-        for e in expected:
-            for j, piece in e:
-                pieces.append(((j, piece), buffer[offset : offset + piece.region.numel]))
-                offset += piece.region.numel
-        return pending, pieces
+        cast = {j: results[j].to(wire) for j in dict.fromkeys(j for j, _ in exchange.send)}  # once per result
+        outgoing = None
+        if exchange.results is not None:  # ranges (several for a piece: concatenated by the send buffer)
+            outgoing = exchange.results.views({j: _as(t, exchange.grids.get(j)) for j, t in cast.items()})
+        if outgoing is None:
+            outgoing = [piece.region.read(cast[j]) for j, piece in exchange.send]
+        pending, buffer = self._all_to_all(outgoing, exchange, like=like, dtype=wire)
+        return pending, list(torch.split(buffer, exchange.sizes)) if exchange.sizes else []
 
     def _all_to_all(
-        self, outgoing: list[list[Tensor]], incoming: list[int], *, like: Tensor, dtype: torch.dtype
+        self, outgoing: list[Tensor], exchange: Exchange, *, like: Tensor, dtype: torch.dtype
     ) -> tuple[Pending, Tensor]:
-        flat = [t for ts in outgoing for t in ts]
-        send = torch.cat(flat) if flat else like.new_empty(0, dtype=dtype)
-        received = like.new_empty(sum(incoming), dtype=dtype)
+        send = torch.cat(outgoing) if outgoing else like.new_empty(0, dtype=dtype)
+        received = like.new_empty(sum(exchange.output_splits), dtype=dtype)
         pending = self.comm.all_to_all_single(
-            received,
-            send,
-            output_splits=incoming,
-            input_splits=[sum(t.numel() for t in ts) for ts in outgoing],
+            received, send, output_splits=exchange.output_splits, input_splits=exchange.input_splits
         )
         return pending, received
 
@@ -262,15 +240,16 @@ class PlannedStrategy(Strategy):
     def _orthogonalize(
         self,
         plan: Plan,
-        jobs: list[int],
+        jobs: Sequence[int],
         updates: Sequence[Tensor],
-        received: dict[tuple[int, Piece], Tensor],
+        received: tuple[GroupSchedule, list[Tensor]],
         options: NSOptions,
         config: MuonConfig,
         moments: _RowMoments | None,
     ) -> list[Tensor]:
         """Directions of my ``jobs`` (whole, in the update dtype), batched by matrix shape; NorMuon's
-        new row moments of them go into ``moments``."""
+        new row moments of them go into ``moments``. ``received``: the group's schedule and the
+        pieces its gather brought (empty before it arrived)."""
         if not jobs:
             return []
         wholes = [self._whole(plan, j, updates, received) for j in jobs]
@@ -283,17 +262,57 @@ class PlannedStrategy(Strategy):
         return directions
 
     def _whole(
-        self, plan: Plan, j: int, updates: Sequence[Tensor], received: dict[tuple[int, Piece], Tensor]
+        self, plan: Plan, j: int, updates: Sequence[Tensor], received: tuple[GroupSchedule, list[Tensor]]
     ) -> Tensor:
-        job, sources = plan.jobs[j], plan.sources[j]
+        part, arrived = received
+        job, assembly = plan.jobs[j], part.assembly[j]
         local = updates[job.tensor]
-        if len(sources) == 1 and sources[0].rank == self.comm.rank and _in_order(sources[0].region, job):
-            return local_part(local, sources[0]).reshape(job.shape)  # held whole here: a view, no copy
+        sources = assembly.sources
+        if len(sources) == 1 and sources[0][1] < 0 and _in_order(sources[0][0].region, job):
+            return local_part(local, sources[0][0]).reshape(job.shape)  # held whole here: a view, no copy
+        data = [local_part(local, piece).reshape(-1) if slot < 0 else arrived[slot] for piece, slot in sources]
+        if assembly.tiles is not None:  # flat ranges of the whole: one concatenation
+            parts = [data[i] if n == data[i].numel() else data[i][a : a + n] for i, a, n in assembly.tiles]
+            return torch.cat(parts).view(job.shape)
+        if assembly.grid is not None:  # blocks of a grid: concatenated, then laid out (one more copy)
+            grid, order = assembly.grid
+            return grid.whole(torch.cat([data[i] for i in order]), job.shape)
         whole = local.new_empty(job.shape)
-        for piece in sources:
-            data = local_part(local, piece).reshape(-1) if piece.rank == self.comm.rank else received[(j, piece)]
-            piece.region.write(whole, data)
+        for (piece, _), flat in zip(sources, data, strict=True):
+            piece.region.write(whole, flat)
         return whole
+
+    def _write_all(
+        self,
+        plan: Plan,
+        pieces: Sequence[tuple[int, Piece]],
+        cuts: Cuts,
+        data: Sequence[Tensor],
+        out: Sequence[Tensor],
+        config: MuonConfig,
+        *,
+        scaled: bool,
+    ) -> None:
+        """Put each ``data`` (flat, storage order) into my region ``pieces[i]`` of ``out``, scaled
+        unless the owner did: one batched copy and one batched multiply per scale."""
+        views = cuts.views(out)
+        if views is None:  # a local tensor stored out of its flat order: piece by piece
+            for (j, piece), flat in zip(pieces, data, strict=True):
+                self._write(plan.jobs[j], piece, flat, out, config, scaled=scaled)
+            return
+        if views:
+            torch._foreach_copy_(views, list(data))
+        if scaled:
+            return
+        by_scale: dict[float, list[Tensor]] = {}
+        for (j, piece), view in zip(pieces, views, strict=True):
+            scale = self._scale(plan.jobs[j], piece, config.adjust_lr, view)
+            if isinstance(scale, Tensor):
+                view.mul_(scale.view(view.shape))
+            else:
+                by_scale.setdefault(scale, []).append(view)
+        for scale, group in by_scale.items():
+            torch._foreach_mul_(group, scale)
 
     def _write(
         self, job: Job, piece: Piece, data: Tensor, out: Sequence[Tensor], config: MuonConfig, *, scaled: bool
@@ -302,17 +321,43 @@ class PlannedStrategy(Strategy):
         view = local_part(out[job.tensor], piece)
         view.copy_(data.view(view.shape))
         if not scaled:
-            view.mul_(self._scale(job, piece, config.adjust_lr, view))
+            scale = self._scale(job, piece, config.adjust_lr, view)
+            view.mul_(scale if isinstance(scale, float) else scale.view(view.shape))
 
     def _scale(self, job: Job, piece: Piece, adjust_lr: str | None, view: Tensor) -> float | Tensor:
+        """The lr shape scale of ``piece``: a float, or (blocks of different scales) a flat map of it."""
+        uniform = (job.shape, job.layout, adjust_lr)
+        scale = self._uniform_scales.get(uniform)
+        if scale is None:
+            scales = {lr_scale(adjust_lr, b.rows, b.cols) for b in job.layout.blocks(job.shape)}
+            scale = self._uniform_scales[uniform] = scales.pop() if len(scales) == 1 else math.nan
+        if not math.isnan(scale):
+            return scale
         key = (job.shape, job.layout, piece.region, adjust_lr, view.dtype, view.device)
         cached = self._scales.get(key)
-        if cached is not None:
-            return cached
-        scale = scale_of(job, piece.region, adjust_lr, like=view)
-        if isinstance(scale, Tensor):  # split blocks of different scales: cache the region's map
-            scale = self._scales[key] = scale.view(view.shape)
-        return scale
+        if cached is None:  # split blocks of different scales: cache the region's map
+            flat = scale_of(job, piece.region, adjust_lr, like=view)
+            assert isinstance(flat, Tensor)
+            cached = self._scales[key] = flat
+        return cached
+
+
+def _parts(
+    results: dict[int, Tensor], pieces: Sequence[tuple[int, Piece]], cuts: Cuts | None, grids: dict[int, Grid]
+) -> list[Tensor]:
+    """``piece.region.read(results[j])`` of each piece: views of one split per result where they are
+    flat ranges of it or blocks of a grid (``cuts``)."""
+    if cuts is not None:
+        jobs = dict.fromkeys(j for j, _ in pieces)
+        views = cuts.pieces({j: _as(results[j], grids.get(j)) for j in jobs} if grids else results)
+        if views is not None:
+            return views
+    return [piece.region.read(results[j]) for j, piece in pieces]
+
+
+def _as(result: Tensor, grid: Grid | None) -> Tensor:
+    """A result as its pieces are cut from it: itself, or its grid's blocks one after another."""
+    return result if grid is None else grid.blocks(result)
 
 
 class _RowMoments:
@@ -330,13 +375,15 @@ class _RowMoments:
 
     def __init__(self, plan: Plan, rows: Sequence[Tensor]) -> None:
         self.rows = rows
-        self.spans: list[tuple[int, int, int]] = []  # per job: (tensor, start, stop)
-        ends = [0] * len(rows)
-        for job in plan.jobs:
-            count = sum(b.count * b.rows for b in job.layout.blocks(job.shape))
-            self.spans.append((job.tensor, ends[job.tensor], ends[job.tensor] + count))
-            ends[job.tensor] += count
-        self.owned = [j for j, owner in enumerate(plan.owners) if owner >= 0]
+        if "row spans" not in plan.memo:  # the same every step: once per plan
+            spans: list[tuple[int, int, int]] = []  # per job: (tensor, start, stop)
+            ends = [0] * len(rows)
+            for job in plan.jobs:
+                count = sum(b.count * b.rows for b in job.layout.blocks(job.shape))
+                spans.append((job.tensor, ends[job.tensor], ends[job.tensor] + count))
+                ends[job.tensor] += count
+            plan.memo["row spans"] = (spans, [j for j, owner in enumerate(plan.owners) if owner >= 0])
+        self.spans, self.owned = plan.memo["row spans"]
         self.sums = [torch.zeros_like(v) for v in rows]
 
     def old(self, j: int) -> Tensor:
@@ -364,6 +411,14 @@ def _in_order(region: Region, job: Job) -> bool:
     return region == Box.full(job.shape) or region == Span(0, job.numel)
 
 
-def _group_key(job: Job, dtype: torch.dtype) -> Hashable:
-    """Jobs exchanged together: the same set of matrix shapes (one batched call each) and dtype."""
-    return tuple(sorted({(b.rows, b.cols) for b in job.layout.blocks(job.shape)})), dtype
+def group_keys(jobs: Sequence[Job], dtypes: Sequence[torch.dtype]) -> list[Hashable]:
+    """Each job's exchange group key: jobs of the same set of matrix shapes (one batched call
+    each) and update dtype (``dtypes[job.tensor]``) are exchanged together."""
+    shapes: dict[tuple[tuple[int, ...], MatrixLayout], tuple[tuple[int, int], ...]] = {}
+    keys: list[Hashable] = []
+    for job in jobs:
+        kind = (job.shape, job.layout)
+        if kind not in shapes:
+            shapes[kind] = tuple(sorted({(b.rows, b.cols) for b in job.layout.blocks(job.shape)}))
+        keys.append((shapes[kind], dtypes[job.tensor]))
+    return keys

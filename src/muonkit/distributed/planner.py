@@ -32,6 +32,13 @@ the holder that has sent the fewest elements so far in this plan (ties: the lowe
 the update dtype) travel in one ``all_to_all`` each way; groups run largest first, so the biggest
 transfers overlap the most Newton-Schulz.
 
+**Cost**: O(jobs log W + pieces), the same on every rank. Owners take one pass over each free
+job's holders (elements per rank come from the job's
+:class:`~muonkit.distributed.pieces.Holders`, shared by every job laid out alike and derived
+once), the least-loaded rank comes from a heap; sources walk each job's distinct regions once.
+What each rank then sends and receives is derived from the plan once, by
+:func:`muonkit.distributed.schedule.rank_schedule`.
+
 Example: two ranks of DDP and one (8, 8) and two (4, 4) matrices::
 
     >>> from muonkit.distributed.pieces import Box
@@ -44,14 +51,16 @@ Example: two ranks of DDP and one (8, 8) and two (4, 4) matrices::
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from muonkit.config import MuonConfig
-from muonkit.distributed.pieces import Job, Piece, Region
+from muonkit.distributed.pieces import Holders, Job, Piece, Pieces, Region, holders_of
 from muonkit.functional.lr_scaling import lr_scale
 from muonkit.functional.orthogonalize import default_compute_dtype
 
@@ -69,23 +78,31 @@ class Plan:
     jobs: tuple[Job, ...]
     owners: tuple[int, ...]
     """Owner rank of each job; -1 for a zero-size job (no pieces, nothing to compute)."""
-    sources: tuple[tuple[Piece, ...], ...]
+    sources: tuple[Sequence[Piece], ...]
     """Per job: one held piece per distinct region, together covering it once; the owner
-    assembles the job from them."""
+    assembles the job from them (the job's own ``held`` when no region is held twice)."""
     groups: tuple[tuple[int, ...], ...]
     """Job indices per exchange group, in execution order (largest first); each in job order."""
+    memo: dict[Hashable, Any] = field(default_factory=dict, compare=False, repr=False)
+    """What is derived from the plan once and kept with it: each rank's exchange lists
+    (:func:`muonkit.distributed.schedule.rank_schedule`)."""
 
     def gathers(self, group: Sequence[int]) -> bool:
         """Whether any piece of the group must travel to its owner (the same answer on every rank)."""
-        return any(p.rank != self.owners[j] for j in group for p in self.sources[j])
+        return not all(_all_on(self.sources[j], self.owners[j]) for j in group)
 
     def returns(self, group: Sequence[int]) -> bool:
         """Whether any rank other than the owner needs a part of a direction in the group."""
-        return any(p.rank != self.owners[j] for j in group for p in self.jobs[j].receivers)
+        return not all(_all_on(self.jobs[j].receivers, self.owners[j]) for j in group)
 
     def computed(self, rank: int) -> tuple[int, ...]:
         """Indices of the jobs ``rank`` orthogonalizes."""
         return tuple(j for j, owner in enumerate(self.owners) if owner == rank)
+
+
+def _all_on(pieces: Sequence[Piece], rank: int) -> bool:
+    held = holders_of(pieces).held
+    return not held or (len(held) == 1 and rank in held)
 
 
 def job_cost(job: Job, config: MuonConfig) -> float:
@@ -103,7 +120,7 @@ def make_plan(
     keys: Sequence[Hashable] | None = None,
     tolerance: float = TOLERANCE,
 ) -> Plan:
-    """The plan of ``jobs`` on ``world_size`` ranks.
+    """The plan of ``jobs`` on ``world_size`` ranks, in O(jobs log W + pieces) (see the module docstring).
 
     Args:
         jobs: every job of the call, pieces in group ranks.
@@ -113,14 +130,15 @@ def make_plan(
             a single group for every job.
         tolerance: see :func:`choose_owners`.
     """
-    for job in jobs:
-        _check_job(job, world_size)
-    owners = choose_owners(jobs, costs, world_size, tolerance=tolerance)
+    holders = [holders_of(job.held) for job in jobs]  # shared by jobs laid out alike: derived once
+    for job, held in zip(jobs, holders, strict=True):
+        _check_job(job, held, world_size)
+    owners = _owners(jobs, holders, costs, world_size, tolerance)
     sent = [0] * world_size
     order = sorted(range(len(jobs)), key=lambda j: (-costs[j], j))
-    chosen: dict[int, tuple[Piece, ...]] = {}
+    chosen: dict[int, Sequence[Piece]] = {}
     for j in order:
-        chosen[j] = choose_sources(jobs[j], owners[j], sent) if owners[j] >= 0 else ()
+        chosen[j] = _sources(jobs[j].held, holders[j], owners[j], sent) if owners[j] >= 0 else ()
     by_key: dict[Hashable, list[int]] = {}
     for j in order:  # a group's position: that of its largest job
         if owners[j] >= 0:
@@ -138,63 +156,128 @@ def choose_owners(
 ) -> list[int]:
     """The owner of each job (see the module docstring); -1 for a job with no pieces (zero-size).
 
-    Deterministic: ties go to the lowest rank, equal costs keep job order.
+    Deterministic: ties go to the lowest rank, equal costs keep job order. One pass over each free
+    job's holders (the least-loaded rank is kept in a heap): O(jobs log W + pieces).
     """
+    return _owners(jobs, [holders_of(job.held) for job in jobs], costs, world_size, tolerance)
+
+
+def _owners(
+    jobs: Sequence[Job], holders: Sequence[Holders], costs: Sequence[float], world_size: int, tolerance: float
+) -> list[int]:
     if world_size < 1:
         raise ValueError(f"Invalid world_size={world_size!r}: must be >= 1")
-    if len(costs) != len(jobs) or any(c < 0 for c in costs):
+    if len(costs) != len(jobs) or not all(c >= 0 for c in costs):
         raise ValueError(f"Invalid costs={list(costs)!r}: need one cost >= 0 per job ({len(jobs)} jobs)")
     load = [0.0] * world_size
     owners = [-1] * len(jobs)
     free = []
     for j, job in enumerate(jobs):
-        holders = {p.rank for p in job.held}
-        if not holders:
+        held = holders[j].held
+        if not held:
             continue  # zero-size: no owner, nothing to compute
-        if len(holders) == 1 and job.held_by(next(iter(holders))) >= job.numel:
-            owners[j] = holders.pop()  # whole on one rank only: computed where it lies
+        if len(held) == 1 and next(iter(held.values())) >= job.numel:
+            owners[j] = next(iter(held))  # whole on one rank only: computed where it lies
             load[owners[j]] += costs[j]
         else:
             free.append(j)
     slack = tolerance * (sum(costs) / world_size)
+    least = _Least(load)
     for j in sorted(free, key=lambda j: (-costs[j], j)):
-        held = [jobs[j].held_by(r) for r in range(world_size)]
-        near = [r for r in range(world_size) if load[r] <= min(load) + slack]
-        whole = [r for r in near if held[r] >= jobs[j].numel]
-        part = [r for r in near if held[r] > 0]
-        pick = whole or part or list(range(world_size))
-        owners[j] = min(pick, key=lambda r: (load[r], -held[r], r))
+        floor, lowest = least.top()
+        owner = _near_holder(holders[j].held, load, floor + slack, jobs[j].numel)
+        if owner is None:
+            owner = _idle_holder(holders[j].held, load, floor)
+        owners[j] = lowest if owner is None else owner
         load[owners[j]] += costs[j]
+        least.push(owners[j])
     return owners
 
 
-def choose_sources(job: Job, owner: int, sent: list[int]) -> tuple[Piece, ...]:
+def _near_holder(held: dict[int, int], load: list[float], limit: float, numel: int) -> int | None:
+    """Among the holders loaded at most ``limit``: the least loaded of those holding all ``numel``
+    elements, else of those holding some (ties: most elements held, then the lowest rank)."""
+    if not numel:  # holds nothing: every near rank holds "all" of it; the least loaded one takes it
+        return None
+    whole = part = None
+    for rank, n in held.items():
+        if n and load[rank] <= limit:
+            key = (load[rank], -n, rank)
+            if n >= numel:
+                whole = key if whole is None or key < whole else whole
+            else:
+                part = key if part is None or key < part else part
+    best = whole or part
+    return None if best is None else best[2]
+
+
+def _idle_holder(held: dict[int, int], load: list[float], floor: float) -> int | None:
+    """No holder is near (a negative tolerance): the holder at the least load holding most, if any."""
+    best = None
+    for rank, n in held.items():
+        if n and load[rank] == floor and (best is None or (-n, rank) < best):
+            best = (-n, rank)
+    return None if best is None else best[1]
+
+
+class _Least:
+    """The least-loaded rank (lowest rank among equal loads) as loads only grow: a lazy heap."""
+
+    def __init__(self, load: list[float]) -> None:
+        self.load = load
+        self.heap = [(x, r) for r, x in enumerate(load)]
+        heapq.heapify(self.heap)
+
+    def top(self) -> tuple[float, int]:
+        while self.heap[0][0] != self.load[self.heap[0][1]]:  # an entry from before the rank grew
+            heapq.heappop(self.heap)
+        return self.heap[0]
+
+    def push(self, rank: int) -> None:
+        heapq.heappush(self.heap, (self.load[rank], rank))
+
+
+def choose_sources(job: Job, owner: int, sent: list[int]) -> Sequence[Piece]:
     """One holder per distinct region of ``job``: the owner if it holds it, else the holder that
-    has sent the fewest elements so far (``sent``, per rank, updated here)."""
-    regions: dict[object, list[Piece]] = {}
-    for piece in job.held:
-        regions.setdefault(piece.region, []).append(piece)
+    has sent the fewest elements so far (``sent``, per rank, updated here).
+
+    Pieces of the job's ``held``, in order of their regions' first appearance: the same kind of
+    sequence (a tuple, or :class:`~muonkit.distributed.pieces.Pieces`; ``held`` itself when no
+    region is held twice)."""
+    return _sources(job.held, holders_of(job.held), owner, sent)
+
+
+def _sources(pieces: Sequence[Piece], holders: Holders, owner: int, sent: list[int]) -> Sequence[Piece]:
+    ranks, numels = holders.ranks, holders.numels
+    if holders.unique:  # each region held once: every piece is its region's source
+        for rank, n in zip(ranks, numels, strict=True):
+            if rank != owner:
+                sent[rank] += n
+        return pieces if isinstance(pieces, Pieces | tuple) else tuple(pieces)
     chosen = []
-    for holders in regions.values():
-        mine = [p for p in holders if p.rank == owner]
-        piece = mine[0] if mine else min(holders, key=lambda p: (sent[p.rank], p.rank))
-        if piece.rank != owner:
-            sent[piece.rank] += piece.region.numel
-        chosen.append(piece)
-    return tuple(chosen)
+    for index in holders.distinct:
+        pick = next((i for i in index if ranks[i] == owner), None)
+        if pick is None:
+            pick = min(index, key=lambda i: (sent[ranks[i]], ranks[i]))
+            sent[ranks[pick]] += numels[pick]
+        chosen.append(pick)
+    if isinstance(pieces, Pieces):
+        return pieces.subset(chosen)
+    return tuple(pieces[i] for i in chosen)
 
 
-def _check_job(job: Job, world_size: int) -> None:
+def _check_job(job: Job, holders: Holders, world_size: int) -> None:
     """A reader's invariant: the distinct held regions cover the job exactly (internal errors)."""
-    for piece in (*job.held, *job.needed):
-        if not 0 <= piece.rank < world_size:
+    for pieces in (job.held, job.needed):
+        ranks = holders.ranks if pieces is job.held else holders_of(pieces).ranks
+        if ranks and not (min(ranks) >= 0 and max(ranks) < world_size):
+            piece = next(p for p in pieces if not 0 <= p.rank < world_size)
             raise ValueError(
                 f"Piece {piece} of tensor {job.tensor} names rank {piece.rank}; the group has {world_size}"
             )
-    covered = sum(region.numel for region in {p.region for p in job.held})
-    if covered != job.numel:
+    if holders.covered != job.numel:
         raise ValueError(
-            f"The held regions of tensor {job.tensor}'s job of shape {job.shape} cover {covered} of its "
+            f"The held regions of tensor {job.tensor}'s job of shape {job.shape} cover {holders.covered} of its "
             f"{job.numel} elements; distinct regions must cover it once: {job.held}"
         )
 

@@ -33,6 +33,7 @@ Example (under ``torchrun``)::
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Hashable, Sequence
 from typing import Any
 
@@ -40,7 +41,7 @@ from torch import Tensor
 
 from muonkit.config import MuonConfig
 from muonkit.distributed.executor import PlannedStrategy
-from muonkit.distributed.pieces import At, Box, Expert, Job, Piece, Span
+from muonkit.distributed.pieces import At, Box, Expert, Holders, Job, Pieces, Region, Span
 from muonkit.functional.matrices import MatrixLayout
 
 __all__ = ["ReplicatedStrategy", "whole_jobs"]
@@ -77,22 +78,27 @@ def whole_jobs(tensor: int, shape: tuple[int, ...], layout: MatrixLayout, ranks:
     One job per matrix (each expert of a stack, each ``split_sizes`` block) wherever the matrix
     lies contiguously in the tensor, so that the planner balances matrices, not tensors; one job
     for the whole tensor otherwise (a transposed layout's blocks are columns of its storage).
+    The copies of one region on ``ranks`` are one shared :class:`~muonkit.distributed.pieces.Holders`.
     """
+    ranks = tuple(ranks)
     kind = layout.resolved(len(shape))
     if kind == "transposed" or (kind != "experts" and layout.split_sizes is None):
-        return [Job(tensor, shape, layout, tuple(Piece(r, Box.full(shape)) for r in ranks))]
+        return [Job(tensor, shape, layout, Pieces(_copies(Box.full(shape), ranks)))]
     count, rows, cols = layout.base_shape(shape)
     if layout.split_sizes is None:  # experts: where=Expert(k) views matrix k of the stack
         matrix = (rows, cols)
-        return [
-            Job(tensor, matrix, _MATRIX, tuple(Piece(r, Box.full(matrix), Expert(k)) for r in ranks))
-            for k in range(count)
-        ]
+        copies = _copies(Box.full(matrix), ranks)
+        return [Job(tensor, matrix, _MATRIX, Pieces(copies, Expert(k))) for k in range(count)]
     jobs = []
     for k in range(count):  # split blocks: rows [start, start + size) of matrix k, a flat range
         start = k * rows
         for size in layout.split_sizes:
-            held = tuple(Piece(r, Span(0, size * cols), At(start * cols)) for r in ranks)
+            held = Pieces(_copies(Span(0, size * cols), ranks), At(start * cols))
             jobs.append(Job(tensor, (size, cols), _MATRIX, held))
             start += size
     return jobs
+
+
+@functools.lru_cache(maxsize=1024)
+def _copies(region: Region, ranks: tuple[int, ...]) -> Holders:
+    return Holders(ranks, (region,) * len(ranks))
