@@ -167,6 +167,40 @@ class Collectives:
         self._count(2 * (self.world_size - 1) / self.world_size * t.numel() * t.element_size())
         self.wait(dist.all_reduce(t, op=op, group=self.group if group is None else group, async_op=True), t)
 
+    def all_gather(self, output: Tensor, input: Tensor, *, group: Any = None) -> None:
+        """Blocking all-gather of flat tensors: ``output`` holds every rank's ``input`` in group rank order."""
+        size = self.world_size if group is None else dist.get_world_size(group)
+        self._count((size - 1) * input.numel() * input.element_size())
+        # all_gather_single from torch 2.10 on, all_gather_into_tensor (deprecated there) before
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(output, input, group=self.group if group is None else group)
+
+    def subgroup(self, ranks: Sequence[int]) -> Any:
+        """The process group over ``ranks`` (ranks of this group): this group itself when they are all
+        of it, else one made at the first call by those ranks alone (``use_local_synchronization``:
+        the others need not call) and reused by every later call in this process (torch names such a
+        group after its ranks, and refuses a second one of the same name).
+
+        Members must call it for their groups in the same order (as for any collective).
+        """
+        if len(set(ranks)) == self.world_size:
+            return self.group
+        group: Any = self.group if self.group is not None else dist.group.WORLD
+        members = sorted(dist.get_global_rank(group, r) for r in ranks)
+        backend = dist.get_backend(group)
+        from torch.distributed import distributed_c10d as c10d
+
+        name = c10d._hash_ranks_to_str(members)  # the name new_group gives it with local synchronization
+        for made, made_name in c10d._world.pg_names.items():
+            if made_name == name:
+                if dist.get_backend(made) != backend:
+                    raise RuntimeError(
+                        f"A process group over ranks {members} with backend {dist.get_backend(made)!r} exists; "
+                        f"muonkit needs one with backend {backend!r} and torch allows one group per set of ranks"
+                    )
+                return made
+        return dist.new_group(members, backend=backend, use_local_synchronization=True)
+
     def expect_equal(self, name: str, values: Tensor) -> None:
         """Device ``values`` (float, any shape) every rank must hold bit for bit, checked with this
         step's verdict (:meth:`all_ranks_true`) or, in a step without one, one step late (:meth:`end_step`)."""

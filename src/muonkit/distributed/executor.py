@@ -41,7 +41,10 @@ from muonkit.distributed.base import Strategy
 from muonkit.distributed.collectives import Collectives, Pending, group_of
 from muonkit.distributed.pieces import Box, Job, Piece, Region, Span, local_part
 from muonkit.distributed.planner import Plan, job_cost, make_plan, scale_of, wire_dtype
+from muonkit.distributed.split_plan import SplitCost, SplitPolicy
+from muonkit.distributed.split_run import SplitRun, schedule
 from muonkit.functional.muon import NSOptions
+from muonkit.functional.orthogonalize import default_compute_dtype
 
 __all__ = ["PlannedStrategy"]
 
@@ -59,6 +62,9 @@ class PlannedStrategy(Strategy):
         self._plans: dict[Hashable, Plan] = {}
         self._plans_by_layout: dict[Hashable, Plan] = {}
         self._scales: dict[Hashable, Tensor] = {}
+        self.split_policy = SplitPolicy()
+        """When a job's Newton-Schulz runs over a group of ranks (:mod:`muonkit.distributed.split_plan`)."""
+        self._split_schedules: dict[int, tuple[Plan, Any]] = {}
 
     @abstractmethod
     def jobs(self, params: list[Tensor], updates: list[Tensor], config: MuonConfig) -> list[Job]:
@@ -103,7 +109,7 @@ class PlannedStrategy(Strategy):
         layout = self.layout_key(params, updates)
         if layout is None:
             return self.plan_of(self.jobs(params, updates, config), updates, config)
-        key = (layout, config.layout, config.steps, config.ns_method, config.ns_dtype)
+        key = (layout, config.layout, config.steps, config.ns_method, config.ns_dtype, self.split_policy)
         plan = self._plans_by_layout.get(key)
         if plan is None:
             if len(self._plans_by_layout) >= _PLAN_CACHE:
@@ -122,13 +128,16 @@ class PlannedStrategy(Strategy):
             config.steps,
             config.ns_method,
             config.ns_dtype,
+            self.split_policy,
         )
         plan = self._plans.get(cache_key)
         if plan is None:
             if len(self._plans) >= _PLAN_CACHE:
                 self._plans.clear()
             costs = [job_cost(job, config) for job in jobs]
-            plan = make_plan(jobs, costs=costs, world_size=self.comm.world_size, keys=keys)
+            plan = make_plan(
+                jobs, costs=costs, world_size=self.comm.world_size, keys=keys, split=self._split_cost(updates, config)
+            )
             self._plans[cache_key] = plan
         return plan
 
@@ -149,7 +158,10 @@ class PlannedStrategy(Strategy):
         :class:`_RowMoments`).
         """
         moments = _RowMoments(plan, rows) if rows is not None else None
+        split = self._start_splits(plan, updates, config)
         gathers = [self._gather(plan, group, updates) for group in plan.groups]
+        if split is not None:
+            split.iterate(moments)
         returns = []
         for k, group in enumerate(plan.groups):
             like = updates[plan.jobs[group[0]].tensor]
@@ -176,8 +188,32 @@ class PlannedStrategy(Strategy):
                 pending.wait()
             for (j, piece), data in pieces:
                 self._write(plan.jobs[j], piece, data, out, config, scaled=on_owner)
+        if split is not None:
+            split.finish(out)
         if moments is not None:
             moments.share(self.comm)
+
+    # -- split jobs (muonkit.distributed.split_run) ---------------------------------------------
+
+    def _split_cost(self, updates: Sequence[Tensor], config: MuonConfig) -> SplitCost:
+        """The split cost model with the compute dtype this rank's iteration runs in."""
+        dtype = config.ns_dtype
+        if dtype is None and updates:
+            dtype = default_compute_dtype(updates[0].device)
+        return SplitCost(steps=config.steps, method=config.ns_method, dtype=dtype, policy=self.split_policy)
+
+    def _start_splits(self, plan: Plan, updates: Sequence[Tensor], config: MuonConfig) -> SplitRun | None:
+        """Start the plan's split jobs (their pieces travel to the members); None without any."""
+        if not plan.splits:
+            return None
+        cached = self._split_schedules.get(id(plan))
+        if cached is None or cached[0] is not plan:
+            if len(self._split_schedules) >= _PLAN_CACHE:
+                self._split_schedules.clear()
+            cached = self._split_schedules[id(plan)] = (plan, schedule(plan, self.comm.rank))
+        run = SplitRun(self.comm, self.stats, plan, cached[1], updates, config, self._all_to_all)
+        run.start()
+        return run
 
     # -- the two exchanges ---------------------------------------------------------------------
 
@@ -336,7 +372,7 @@ class _RowMoments:
             count = sum(b.count * b.rows for b in job.layout.blocks(job.shape))
             self.spans.append((job.tensor, ends[job.tensor], ends[job.tensor] + count))
             ends[job.tensor] += count
-        self.owned = [j for j, owner in enumerate(plan.owners) if owner >= 0]
+        self.owned = [j for j, owner in enumerate(plan.owners) if owner >= 0] + [s.job for s in plan.splits]
         self.sums = [torch.zeros_like(v) for v in rows]
 
     def old(self, j: int) -> Tensor:
@@ -346,6 +382,11 @@ class _RowMoments:
     def computed(self, j: int, new: Tensor) -> None:
         t, start, stop = self.spans[j]
         self.sums[t][start:stop] = new
+
+    def computed_part(self, j: int, offset: int, new: Tensor) -> None:
+        """New moments of a split job's rows from ``offset`` on (each member's rows)."""
+        t, start, _ = self.spans[j]
+        self.sums[t][start + offset : start + offset + new.numel()] = new
 
     def share(self, comm: Collectives) -> None:
         """The one all-reduce; then ``rows`` hold the new moments."""

@@ -52,6 +52,7 @@ from torch import Tensor
 
 from muonkit.config import MuonConfig
 from muonkit.distributed.pieces import Job, Piece, Region
+from muonkit.distributed.split_plan import Split, SplitCost, choose_splits, place_splits, rank_loads
 from muonkit.functional.lr_scaling import lr_scale
 from muonkit.functional.orthogonalize import default_compute_dtype
 
@@ -68,12 +69,15 @@ class Plan:
 
     jobs: tuple[Job, ...]
     owners: tuple[int, ...]
-    """Owner rank of each job; -1 for a zero-size job (no pieces, nothing to compute)."""
+    """Owner rank of each job; -1 for a zero-size job (no pieces, nothing to compute) or a split one."""
     sources: tuple[tuple[Piece, ...], ...]
     """Per job: one held piece per distinct region, together covering it once; the owner
     assembles the job from them."""
     groups: tuple[tuple[int, ...], ...]
     """Job indices per exchange group, in execution order (largest first); each in job order."""
+    splits: tuple[Split, ...] = ()
+    """Jobs run by a group of ranks instead of one owner (:mod:`muonkit.distributed.split_plan`);
+    their owner is -1 and they are in no exchange group."""
 
     def gathers(self, group: Sequence[int]) -> bool:
         """Whether any piece of the group must travel to its owner (the same answer on every rank)."""
@@ -102,6 +106,7 @@ def make_plan(
     world_size: int,
     keys: Sequence[Hashable] | None = None,
     tolerance: float = TOLERANCE,
+    split: SplitCost | None = None,
 ) -> Plan:
     """The plan of ``jobs`` on ``world_size`` ranks.
 
@@ -112,10 +117,17 @@ def make_plan(
         keys: each job's exchange group key (jobs with equal keys share one exchange); ``None``:
             a single group for every job.
         tolerance: see :func:`choose_owners`.
+        split: when and how to run a job over a group of ranks (:mod:`~muonkit.distributed.split_plan`);
+            ``None``: every job on one owner.
     """
     for job in jobs:
         _check_job(job, world_size)
-    owners = choose_owners(jobs, costs, world_size, tolerance=tolerance)
+    shapes = choose_splits(jobs, costs, world_size, split) if split is not None else {}
+    owners = choose_owners(
+        jobs, [0.0 if j in shapes else c for j, c in enumerate(costs)], world_size, tolerance=tolerance
+    )
+    for j in shapes:
+        owners[j] = -1
     sent = [0] * world_size
     order = sorted(range(len(jobs)), key=lambda j: (-costs[j], j))
     chosen: dict[int, tuple[Piece, ...]] = {}
@@ -125,11 +137,17 @@ def make_plan(
     for j in order:  # a group's position: that of its largest job
         if owners[j] >= 0:
             by_key.setdefault(keys[j] if keys is not None else None, []).append(j)
+    splits: tuple[Split, ...] = ()
+    if shapes:
+        assert split is not None
+        load = rank_loads(owners, (), costs, world_size)
+        splits = place_splits(jobs, shapes, load, costs=costs, cost=split, sent=sent, tolerance=tolerance)
     return Plan(
         jobs=tuple(jobs),
         owners=tuple(owners),
         sources=tuple(chosen[j] for j in range(len(jobs))),
         groups=tuple(tuple(sorted(members)) for members in by_key.values()),
+        splits=splits,
     )
 
 
