@@ -55,6 +55,7 @@ Example (every shard on one device: ``reduce`` is the identity)::
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -133,7 +134,7 @@ def orthogonalize_shard(
     schedule, norm_factor = resolve_preset(coefficients, steps=steps, name="coefficients")
     compute = check.ns_dtype("dtype", dtype) or default_compute_dtype(shard.device)
     batch = shard.shape[:-2]
-    x = shard.reshape(-1, *shard.shape[-2:])
+    x = shard.reshape(math.prod(batch), *shard.shape[-2:])
     x = x.mT if dim == 0 else x  # (B, m, n_i): the cut dim last, the Gram matrix m x m
     work = torch.empty(x.shape, dtype=compute, device=shard.device)
     _normalize_shard_into(x, work, norm_factor + eps, reduce)
