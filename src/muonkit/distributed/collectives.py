@@ -167,39 +167,56 @@ class Collectives:
         self._count(2 * (self.world_size - 1) / self.world_size * t.numel() * t.element_size())
         self.wait(dist.all_reduce(t, op=op, group=self.group if group is None else group, async_op=True), t)
 
-    def all_gather(self, output: Tensor, input: Tensor, *, group: Any = None) -> None:
-        """Blocking all-gather of flat tensors: ``output`` holds every rank's ``input`` in group rank order."""
-        size = self.world_size if group is None else dist.get_world_size(group)
-        self._count((size - 1) * input.numel() * input.element_size())
-        # all_gather_single from torch 2.10 on, all_gather_into_tensor (deprecated there) before
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        gather(output, input, group=self.group if group is None else group)
+    def ring_all_reduce(self, t: Tensor, ranks: Sequence[int]) -> None:
+        """Blocking in-place sum of flat ``t`` over ``ranks`` (ranks of this group, this one among them),
+        by point-to-point messages among them alone: a ring, reduce-scatter then all-gather.
 
-    def subgroup(self, ranks: Sequence[int]) -> Any:
-        """The process group over ``ranks`` (ranks of this group): this group itself when they are all
-        of it, else one made at the first call by those ranks alone (``use_local_synchronization``:
-        the others need not call) and reused by every later call in this process (torch names such a
-        group after its ranks, and refuses a second one of the same name).
-
-        Members must call it for their groups in the same order (as for any collective).
+        No process group per set of ranks: torch names a group made by its members alone after how
+        many groups each member already made, so members with different histories never meet
+        (pytorch#173608), and one made by every rank costs a barrier over all of them. Every member
+        ends with the same bits (each chunk is summed once, in a fixed order, then passed on).
+        Members must call it in the same order for their sets (as for any collective).
         """
-        if len(set(ranks)) == self.world_size:
-            return self.group
-        group: Any = self.group if self.group is not None else dist.group.WORLD
-        members = sorted(dist.get_global_rank(group, r) for r in ranks)
-        backend = dist.get_backend(group)
-        from torch.distributed import distributed_c10d as c10d
+        ring = sorted(ranks)
+        size = len(ring)
+        self._count(2 * (size - 1) / size * t.numel() * t.element_size())
+        if size == 1:
+            return
+        chunks = list(torch.tensor_split(t, size))
+        me = ring.index(self.rank)
+        for step in range(size - 1):  # reduce-scatter: member p ends with chunk p + 1 summed
+            send, recv = chunks[(me - step) % size], chunks[(me - step - 1) % size]
+            buffer = torch.empty_like(recv)
+            self._exchange(ring, me, send, buffer)
+            recv.add_(buffer)
+        for step in range(size - 1):  # all-gather of the summed chunks
+            send, recv = chunks[(me + 1 - step) % size], chunks[(me - step) % size]
+            self._exchange(ring, me, send, recv)
 
-        name = c10d._hash_ranks_to_str(members)  # the name new_group gives it with local synchronization
-        for made, made_name in c10d._world.pg_names.items():
-            if made_name == name:
-                if dist.get_backend(made) != backend:
-                    raise RuntimeError(
-                        f"A process group over ranks {members} with backend {dist.get_backend(made)!r} exists; "
-                        f"muonkit needs one with backend {backend!r} and torch allows one group per set of ranks"
-                    )
-                return made
-        return dist.new_group(members, backend=backend, use_local_synchronization=True)
+    def ring_all_gather(self, output: Tensor, input: Tensor, ranks: Sequence[int]) -> None:
+        """Blocking all-gather among ``ranks`` alone (see :meth:`ring_all_reduce`): ``output`` (flat)
+        holds every member's flat ``input``, in rank order."""
+        ring = sorted(ranks)
+        size = len(ring)
+        self._count((size - 1) * input.numel() * input.element_size())
+        blocks = list(output.view(size, -1).unbind(0))
+        me = ring.index(self.rank)
+        blocks[me].copy_(input)
+        for step in range(size - 1):
+            self._exchange(ring, me, blocks[(me - step) % size], blocks[(me - step - 1) % size])
+
+    def _exchange(self, ring: list[int], me: int, send: Tensor, recv: Tensor) -> None:
+        """Send ``send`` to the next member of ``ring`` while receiving ``recv`` from the previous one."""
+        group: Any = self.group if self.group is not None else dist.group.WORLD
+        right = dist.get_global_rank(group, ring[(me + 1) % len(ring)])
+        left = dist.get_global_rank(group, ring[(me - 1) % len(ring)])
+        ops = []  # an empty chunk is empty on both sides: neither sends nor expects it
+        if send.numel():
+            ops.append(dist.P2POp(dist.isend, send.contiguous(), right, group))
+        if recv.numel():
+            ops.append(dist.P2POp(dist.irecv, recv, left, group))
+        for work in dist.batch_isend_irecv(ops) if ops else []:
+            self.wait(work, recv if recv.numel() else send)
 
     def expect_equal(self, name: str, values: Tensor) -> None:
         """Device ``values`` (float, any shape) every rank must hold bit for bit, checked with this

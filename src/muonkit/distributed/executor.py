@@ -17,6 +17,10 @@ one set of matrix shapes and one update dtype):
    (the Newton-Schulz compute dtype when it is narrower than the update: lossless, since the
    result was computed in it), while the next group is orthogonalized.
 
+Split jobs (:attr:`~muonkit.distributed.planner.Plan.splits`, a job's Newton-Schulz run by a
+group of ranks) go beside these stages (:mod:`muonkit.distributed.split_run`): their pieces leave
+first, their members orthogonalize while the gathers travel, and their results return last.
+
 The lr shape scale is applied as on one device, where ``orthogonalize`` casts its result up to
 the update dtype and multiplies by the scale there: when the wire is narrower, every receiver
 casts its region up and multiplies (a per-element scale read from a whole-shaped map when
@@ -63,7 +67,9 @@ class PlannedStrategy(Strategy):
         self._plans_by_layout: dict[Hashable, Plan] = {}
         self._scales: dict[Hashable, Tensor] = {}
         self.split_policy = SplitPolicy()
-        """When a job's Newton-Schulz runs over a group of ranks (:mod:`muonkit.distributed.split_plan`)."""
+        """When a job's Newton-Schulz runs over a group of ranks (:mod:`muonkit.distributed.split_plan`):
+        by default only where it pays. Set it before the first step, e.g. on a strategy given to the
+        optimizer with ``strategy=`` (``SplitPolicy(threshold=math.inf)``: never)."""
         self._split_schedules: dict[int, tuple[Plan, Any]] = {}
 
     @abstractmethod

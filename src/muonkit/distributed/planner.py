@@ -28,6 +28,13 @@ piece of it instead of shipping all of it to a rank that holds nothing.
 replicas of a shard) is sent once: by the owner itself when it holds it (nothing moves), else by
 the holder that has sent the fewest elements so far in this plan (ties: the lowest rank).
 
+**Splits** (``make_plan(split=...)``, :mod:`muonkit.distributed.split_plan`): where ranks
+outnumber the large matrices, a job costing more than the mean per-rank share is run by a group
+of ranks, each holding a block of its long side, instead of one owner (owner -1, in no exchange
+group, described by :attr:`Plan.splits`). Which jobs, into how many shards and on which ranks is
+decided first by cost, then the owners of the other jobs are chosen, then each split's members
+(the least loaded, preferring ranks that hold the shard's rows).
+
 **Exchange groups**: jobs with the same group key (the executor uses the set of matrix shapes and
 the update dtype) travel in one ``all_to_all`` each way; groups run largest first, so the biggest
 transfers overlap the most Newton-Schulz.

@@ -8,10 +8,11 @@ stages every rank enters in the same order:
    when the shards sit on the holders' row blocks), started before the owned jobs' gathers;
 2. :meth:`SplitRun.iterate`: each member orthogonalizes its shard
    (:func:`~muonkit.functional.sharded.orthogonalize_shard`), summing the small Gram products
-   over the job's members only: a process group per distinct set of members, made at its first
-   use by its members alone (``use_local_synchronization``) and kept
-   (:meth:`~muonkit.distributed.collectives.Collectives.subgroup`); every member runs the jobs
-   in plan order, so no two members wait on each other's groups in opposite orders. Ranks in no
+   (and gathering ``P``'s row blocks) among the job's members alone, by point-to-point messages
+   in a ring (:meth:`~muonkit.distributed.collectives.Collectives.ring_all_reduce`): no process
+   group per set of members, which torch can make neither cheaply (every rank of the job joins a
+   barrier) nor by the members alone once their group histories differ. Every member runs the
+   jobs in plan order, so no two members wait on each other in opposite orders. Ranks in no
    group go straight on to their owned jobs, while the gathers travel;
 3. :meth:`SplitRun.finish`, after the owned jobs: one ``all_to_all_single`` (per wire dtype)
    sends each rank its regions of the shards' results, then they are written (scaled on arrival
@@ -28,7 +29,6 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from muonkit.config import MuonConfig
@@ -320,15 +320,15 @@ class SplitRun:
         self.on_owner[i] = wire_dtype(config, like) == like.dtype
         (block,) = job.layout.blocks(job.shape)
         scale = lr_scale(config.adjust_lr, block.rows, block.cols) if self.on_owner[i] else 1.0
-        group = self.comm.subgroup(split.ranks)
 
         def reduce(t: Tensor) -> Tensor:
-            self.comm.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
-            return t
+            flat = t.reshape(-1)
+            self.comm.ring_all_reduce(flat, split.ranks)
+            return flat.view(t.shape)
 
-        def gather(block: Tensor) -> Tensor:  # in the group's rank order: the members' sorted order
+        def gather(block: Tensor) -> Tensor:  # in rank order: the members' sorted order
             out = block.new_empty(len(split.ranks) * block.numel())
-            self.comm.all_gather(out, block.reshape(-1), group=group)
+            self.comm.ring_all_gather(out, block.reshape(-1), split.ranks)
             return out.view(len(split.ranks), *block.shape).movedim(0, 1).reshape(block.size(0), -1, block.size(-1))
 
         options = config.ns_options

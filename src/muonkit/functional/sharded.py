@@ -183,7 +183,7 @@ def _wide_gram(x: Tensor) -> Tensor:
     wide = torch.promote_types(x.dtype, torch.float32)
     if x.dtype != wide and _WIDE_OUTPUT.get(x.device.type, x.device.type == "cuda"):
         try:
-            return torch.bmm(x, x.mT, out_dtype=wide)  # type: ignore[call-arg]
+            return torch.bmm(x, x.mT, out_dtype=wide)
         except (TypeError, NotImplementedError):  # a torch without the overload: the copy below
             _WIDE_OUTPUT[x.device.type] = False
     return torch.bmm(x.to(wide), x.to(wide).mT)
