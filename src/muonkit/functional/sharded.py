@@ -10,9 +10,9 @@ column blocks ``X = [X_1 | ... | X_g]``:
 
 so every step needs one cross-shard operation, a sum of small Gram products, and nothing else
 moves. The functions here take that sum as a callback ``reduce`` (``t -> sum of t over the
-shards``): an ``all_reduce`` over the group's ranks in :mod:`muonkit.distributed`, the identity
-on one device holding every shard itself. They call ``reduce`` the same number of times on every
-shard whatever the data (zero, empty or extreme-scale shards included), as a collective needs.
+shards``): a sum among the group's ranks in :mod:`muonkit.distributed`, the identity on one
+device holding the whole. They call ``reduce`` the same number of times on every shard whatever
+the data (zero, empty or extreme-scale shards included), as a collective needs.
 
 Three forms of the iteration, the same polynomial in exact arithmetic and the same rounding as
 :func:`~muonkit.functional.orthogonalize` but for the order of the sum of ``A``:
@@ -32,24 +32,29 @@ Three forms of the iteration, the same polynomial in exact arithmetic and the sa
 
 The normalization is the whole matrix's Frobenius norm, formed from each shard's sum of squares
 in float64 (banded by binary exponent for float64 input, whose squares would overflow), so every
-finite scale gives what scale 1 gives, and zero stays zero. A partial Gram product is summed in
-float32 (float64 for float64 compute): the sum of g bf16 products rounded once, not g times.
+finite scale gives what scale 1 gives, and zero stays zero. Each partial Gram product is
+accumulated and summed in float32 (float64 for float64 compute) and rounded once to the compute
+dtype, as one device's product rounds its float32 accumulation once: bf16 shards give one
+device's bf16 result (bit for bit on the test zoo), where summing g rounded bf16 products moved
+the parameters by 2-10% of their travel.
 
 Which side to cut: the long one, so that ``A`` is the small ``m x m`` Gram matrix (``m^2``
 numbers summed per step, against the ``m n / g`` numbers a shard holds), and the one
 :func:`~muonkit.functional.orthogonalize` iterates along (the columns of a square matrix), so
 that the products round alike. For a tall matrix in PyTorch's ``(out, in)`` orientation that is
-its rows: the row blocks FSDP2's ``Shard(0)`` already holds. NorMuon (:func:`normuon_normalize_shard`) normalizes each row of the whole result;
-it needs one more sum either way: 2 numbers when the shards hold whole rows (cut along the rows),
-a vector of one number per row (the short side) when every row is cut (cut along the columns).
+its rows: the row blocks FSDP2's ``Shard(0)`` already holds. NorMuon
+(:func:`normuon_normalize_shard`) normalizes each row of the whole result and needs one more
+sum either way: 2 numbers when the shards hold whole rows (a tall matrix, cut along its rows), a
+vector of one number per row (the short side) when every row is cut (a wide one, cut along its
+columns); both are small, so NorMuon does not decide the side.
 
-Example (every shard on one device: ``reduce`` is the identity)::
+Example (one shard holding the whole matrix: ``reduce`` is the identity)::
 
     >>> import torch
+    >>> from muonkit.functional.orthogonalize import orthogonalize
     >>> u = torch.randn(64, 16, dtype=torch.float64)
-    >>> shards = [orthogonalize_shard(s, dim=0, size=64, reduce=lambda t: t, dtype=torch.float64)
-    ...           for s in [u]]                                   # one shard: the whole
-    >>> bool(torch.allclose(shards[0], muonkit.orthogonalize(u, dtype=torch.float64), atol=1e-12))
+    >>> o = orthogonalize_shard(u, dim=0, size=64, reduce=lambda t: t, dtype=torch.float64)
+    >>> bool(torch.allclose(o, orthogonalize(u, dtype=torch.float64), rtol=0, atol=1e-12))
     True
 """
 
