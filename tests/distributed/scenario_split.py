@@ -15,6 +15,7 @@ to each other, each matrix counted once.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -22,10 +23,9 @@ import torch
 import torch.distributed as dist
 from common import NORMUON_ZOO, ZOO, ParamSpec, all_sum, build, differences, matrix_count, rank_differences, set_grads
 from harness import Context, check
-from torch import Tensor
+from scenario_planner import HandMade, _config
 
 import muonkit
-from muonkit.config import MuonConfig, group_config
 from muonkit.distributed import select_strategy
 from muonkit.distributed.base import StrategyStats
 from muonkit.distributed.collectives import Collectives
@@ -97,29 +97,6 @@ def split_normuon_matches_single_device(ctx: Context) -> None:
     assert not problems, "\n".join(problems)
 
 
-class _HandMade(PlannedStrategy):
-    name = "hand-made"
-
-    def __init__(self, jobs: list[Job]) -> None:
-        super().__init__(dist.group.WORLD)
-        self.planned = jobs
-
-    def jobs(self, params: list[Tensor], updates: list[Tensor], config: MuonConfig) -> list[Job]:
-        del params, updates, config
-        return self.planned
-
-
-def _config(ns_dtype: torch.dtype) -> MuonConfig:
-    group = {
-        "algorithm": "muon", "lr": 0.02, "momentum": 0.95, "nesterov": True, "ns_coefficients": "polar_express",
-        "ns_steps": None, "eps": 1e-7, "weight_decay": 0.0, "adjust_lr": "keller", "layout": "auto",
-        "split_sizes": None, "ns_dtype": ns_dtype, "ns_method": "newton_schulz",
-    }  # fmt: skip
-    config = group_config(group)
-    assert isinstance(config, MuonConfig)
-    return config
-
-
 @check(4, 8)
 def shards_on_their_row_blocks_move_nothing(ctx: Context) -> None:
     """A tall matrix in FSDP2 row blocks, split into as many shards as ranks: each member holds its
@@ -135,9 +112,9 @@ def shards_on_their_row_blocks_move_nothing(ctx: Context) -> None:
         )
     ]
     whole = torch.randn(rows, cols, generator=torch.Generator().manual_seed(3))
-    strategy = _HandMade(jobs)
+    strategy = HandMade(jobs)
     strategy.split_policy = SplitPolicy(threshold=0, parts=w)
-    config = _config(torch.float32)
+    config = dataclasses.replace(_config(), ns_dtype=torch.float32, ns_method="newton_schulz")
     mine = whole[8 * ctx.rank : 8 * ctx.rank + 8].clone()
     got = strategy.directions([torch.empty(0)], [mine], config)[0]
     want = muon_directions([whole], [MatrixLayout()], config.ns_options)[0][8 * ctx.rank : 8 * ctx.rank + 8]
