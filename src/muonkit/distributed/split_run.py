@@ -20,6 +20,11 @@ stages every rank enters in the same order:
 
 Which pieces go where is computed once per plan (:func:`schedule`, cached by the strategy) and
 costs each rank O(its own pieces and shards) per step.
+
+Limits: the shards run eagerly (``ns_compile`` applies to owned jobs only); a member waiting in
+a ring on a member that failed inside the step is released when that process exits or at the
+group's timeout, not by the failure channel (a gloo receive waited in slices closes its
+connection).
 """
 
 from __future__ import annotations
