@@ -16,12 +16,14 @@ from muonkit.distributed.base import Strategy, StrategyStats
 from muonkit.distributed.failure import RankFailedError
 from muonkit.distributed.replicated import ReplicatedStrategy
 from muonkit.distributed.single import SingleDeviceStrategy
+from muonkit.distributed.split_plan import SplitPolicy
 
 __all__ = [
     "DTensorStrategy",
     "RankFailedError",
     "ReplicatedStrategy",
     "SingleDeviceStrategy",
+    "SplitPolicy",
     "Strategy",
     "StrategyStats",
     "select_strategy",

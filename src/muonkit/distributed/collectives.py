@@ -169,6 +169,60 @@ class Collectives:
         number = self._count(2 * (self.world_size - 1) / self.world_size * t.numel() * t.element_size())
         self.wait(dist.all_reduce(t, op=op, group=self.group if group is None else group, async_op=True), t, number)
 
+    def ring_all_reduce(self, t: Tensor, ranks: Sequence[int]) -> None:
+        """Blocking in-place sum of flat ``t`` over ``ranks`` (ranks of this group, this one among them),
+        by point-to-point messages among them alone: a ring, reduce-scatter then all-gather.
+
+        No process group per set of ranks: torch names a group made by its members alone after how
+        many groups each member already made, so members with different histories never meet
+        (pytorch#173608), and one made by every rank costs a barrier over all of them. Every member
+        ends with the same bits (each chunk is summed once, in a fixed order, then passed on).
+        Members must call it in the same order for their sets (as for any collective).
+        """
+        ring = sorted(ranks)
+        size = len(ring)
+        self._count(2 * (size - 1) / size * t.numel() * t.element_size())
+        if size == 1:
+            return
+        chunks = list(torch.tensor_split(t, size))
+        me = ring.index(self.rank)
+        for step in range(size - 1):  # reduce-scatter: member p ends with chunk p + 1 summed
+            send, recv = chunks[(me - step) % size], chunks[(me - step - 1) % size]
+            buffer = torch.empty_like(recv)
+            self._exchange(ring, me, send, buffer)
+            recv.add_(buffer)
+        for step in range(size - 1):  # all-gather of the summed chunks
+            send, recv = chunks[(me + 1 - step) % size], chunks[(me - step) % size]
+            self._exchange(ring, me, send, recv)
+
+    def ring_all_gather(self, output: Tensor, input: Tensor, ranks: Sequence[int]) -> None:
+        """Blocking all-gather among ``ranks`` alone (see :meth:`ring_all_reduce`): ``output`` (flat)
+        holds every member's flat ``input``, in rank order."""
+        ring = sorted(ranks)
+        size = len(ring)
+        self._count((size - 1) * input.numel() * input.element_size())
+        blocks = list(output.view(size, -1).unbind(0))
+        me = ring.index(self.rank)
+        blocks[me].copy_(input)
+        for step in range(size - 1):
+            self._exchange(ring, me, blocks[(me - step) % size], blocks[(me - step - 1) % size])
+
+    def _exchange(self, ring: list[int], me: int, send: Tensor, recv: Tensor) -> None:
+        """Send ``send`` to the next member of ``ring`` while receiving ``recv`` from the previous one."""
+        group: Any = self.group if self.group is not None else dist.group.WORLD
+        right = dist.get_global_rank(group, ring[(me + 1) % len(ring)])
+        left = dist.get_global_rank(group, ring[(me - 1) % len(ring)])
+        ops = []  # an empty chunk is empty on both sides: neither sends nor expects it
+        if send.numel():
+            ops.append(dist.P2POp(dist.isend, send.contiguous(), right, group))
+        if recv.numel():
+            ops.append(dist.P2POp(dist.irecv, recv, left, group))
+        # Not :meth:`wait`'s slices: a gloo receive that times out closes its connection for good.
+        # So a member waiting here on a member that failed inside the step is released when that
+        # process exits or at the group's timeout, not by the failure channel.
+        for work in dist.batch_isend_irecv(ops) if ops else []:
+            work.wait()
+
     def expect_equal(self, name: str, values: Tensor) -> None:
         """Device ``values`` (float, any shape) every rank must hold bit for bit, checked with this
         step's verdict (:meth:`all_ranks_true`) or, in a step without one, one step late (:meth:`end_step`)."""

@@ -17,6 +17,10 @@ one set of matrix shapes and one update dtype):
    (the Newton-Schulz compute dtype when it is narrower than the update: lossless, since the
    result was computed in it), while the next group is orthogonalized.
 
+Split jobs (:attr:`~muonkit.distributed.planner.Plan.splits`, a job's Newton-Schulz run by a
+group of ranks) go beside these stages (:mod:`muonkit.distributed.split_run`): their pieces leave
+first, their members orthogonalize while the gathers travel, and their results return last.
+
 The lr shape scale is applied as on one device, where ``orthogonalize`` casts its result up to
 the update dtype and multiplies by the scale there: when the wire is narrower, every receiver
 casts its region up and multiplies (a per-element scale read from a whole-shaped map when
@@ -43,9 +47,13 @@ from muonkit.distributed.collectives import Collectives, Pending, group_of
 from muonkit.distributed.pieces import Box, Job, Piece, Region, Span, local_part
 from muonkit.distributed.planner import Plan, job_cost, make_plan, scale_of, wire_dtype
 from muonkit.distributed.schedule import Cuts, Exchange, Grid, GroupSchedule, rank_schedule
+from muonkit.distributed.split_plan import SplitCost, SplitPolicy
+from muonkit.distributed.split_run import SplitRun
+from muonkit.distributed.split_run import schedule as split_schedule
 from muonkit.functional.lr_scaling import lr_scale
 from muonkit.functional.matrices import MatrixLayout
 from muonkit.functional.muon import NSOptions
+from muonkit.functional.orthogonalize import default_compute_dtype
 
 __all__ = ["PlannedStrategy", "group_keys"]
 
@@ -65,6 +73,10 @@ class PlannedStrategy(Strategy):
         self._plans_by_layout: dict[Hashable, Plan] = {}
         self._scales: dict[Hashable, Tensor] = {}
         self._uniform_scales: dict[Hashable, float] = {}  # nan: blocks of different scales
+        self.split_policy = SplitPolicy()
+        """When a job's Newton-Schulz runs over a group of ranks (:mod:`muonkit.distributed.split_plan`):
+        by default only where it pays. Set it before the first step, e.g. on a strategy given to the
+        optimizer with ``strategy=`` (``SplitPolicy(threshold=math.inf)``: never)."""
 
     @abstractmethod
     def jobs(self, params: list[Tensor], updates: list[Tensor], config: MuonConfig) -> list[Job]:
@@ -109,7 +121,7 @@ class PlannedStrategy(Strategy):
         layout = self.layout_key(params, updates)
         if layout is None:
             return self.plan_of(self.jobs(params, updates, config), updates, config)
-        key = (layout, config.layout, config.steps, config.ns_method, config.ns_dtype)
+        key = (layout, config.layout, config.steps, config.ns_method, config.ns_dtype, self.split_policy)
         plan = self._plans_by_layout.get(key)
         if plan is None:
             if len(self._plans_by_layout) >= _PLAN_CACHE:
@@ -129,13 +141,16 @@ class PlannedStrategy(Strategy):
             config.steps,
             config.ns_method,
             config.ns_dtype,
+            self.split_policy,
         )
         plan = self._plans.get(cache_key)
         if plan is None:
             if len(self._plans) >= _PLAN_CACHE:
                 self._plans.clear()
             costs = [job_cost(job, config) for job in jobs]
-            plan = make_plan(jobs, costs=costs, world_size=self.comm.world_size, keys=keys)
+            plan = make_plan(
+                jobs, costs=costs, world_size=self.comm.world_size, keys=keys, split=self._split_cost(updates, config)
+            )
             self._plans[cache_key] = plan
         return plan
 
@@ -157,11 +172,14 @@ class PlannedStrategy(Strategy):
         :func:`~muonkit.distributed.schedule.rank_schedule`, computed at the plan's first run.
         """
         moments = _RowMoments(plan, rows) if rows is not None else None
-        schedule = rank_schedule(plan, self.comm.rank, self.comm.world_size)
+        split = self._start_splits(plan, updates, config)
+        exchanges = rank_schedule(plan, self.comm.rank, self.comm.world_size)
         likes = [updates[plan.jobs[group[0]].tensor] for group in plan.groups]
-        gathers = [self._gather(plan, part, updates, like) for part, like in zip(schedule, likes, strict=True)]
+        gathers = [self._gather(plan, part, updates, like) for part, like in zip(exchanges, likes, strict=True)]
+        if split is not None:
+            split.iterate(moments)
         returns = []
-        for k, part in enumerate(schedule):
+        for k, part in enumerate(exchanges):
             like = likes[k]
             wire = wire_dtype(config, like)
             on_owner = wire == like.dtype  # nothing to cast up on arrival: the owner scales, as one device does
@@ -183,8 +201,30 @@ class PlannedStrategy(Strategy):
                 pending.wait()
             if part.back is not None:
                 self._write_all(plan, part.back.receive, part.back.mine, arrived, out, config, scaled=on_owner)
+        if split is not None:
+            split.finish(out)
         if moments is not None:
             moments.share(self.comm)
+
+    # -- split jobs (muonkit.distributed.split_run) ---------------------------------------------
+
+    def _split_cost(self, updates: Sequence[Tensor], config: MuonConfig) -> SplitCost:
+        """The split cost model with the compute dtype this rank's iteration runs in."""
+        dtype = config.ns_dtype
+        if dtype is None and updates:
+            dtype = default_compute_dtype(updates[0].device)
+        return SplitCost(steps=config.steps, method=config.ns_method, dtype=dtype, policy=self.split_policy)
+
+    def _start_splits(self, plan: Plan, updates: Sequence[Tensor], config: MuonConfig) -> SplitRun | None:
+        """Start the plan's split jobs (their pieces travel to the members); None without any."""
+        if not plan.splits:
+            return None
+        key = ("split schedule", self.comm.rank)
+        if key not in plan.memo:  # the same every step: once per plan
+            plan.memo[key] = split_schedule(plan, self.comm.rank)
+        run = SplitRun(self.comm, self.stats, plan, plan.memo[key], updates, config, self._all_to_all_lists)
+        run.start()
+        return run
 
     # -- the two exchanges ---------------------------------------------------------------------
 
@@ -224,6 +264,17 @@ class PlannedStrategy(Strategy):
             outgoing = [piece.region.read(cast[j]) for j, piece in exchange.send]
         pending, buffer = self._all_to_all(outgoing, exchange, like=like, dtype=wire)
         return pending, list(torch.split(buffer, exchange.sizes)) if exchange.sizes else []
+
+    def _all_to_all_lists(
+        self, outgoing: list[list[Tensor]], incoming: list[int], *, like: Tensor, dtype: torch.dtype
+    ) -> tuple[Pending, Tensor]:
+        """One ``all_to_all_single`` of per-rank lists of flat tensors (``incoming``: elements from each rank)."""
+        flat = [t for ts in outgoing for t in ts]
+        send = torch.cat(flat) if flat else like.new_empty(0, dtype=dtype)
+        received = like.new_empty(sum(incoming), dtype=dtype)
+        splits = [sum(t.numel() for t in ts) for ts in outgoing]
+        pending = self.comm.all_to_all_single(received, send, output_splits=incoming, input_splits=splits)
+        return pending, received
 
     def _all_to_all(
         self, outgoing: list[Tensor], exchange: Exchange, *, like: Tensor, dtype: torch.dtype
@@ -382,7 +433,8 @@ class _RowMoments:
                 count = sum(b.count * b.rows for b in job.layout.blocks(job.shape))
                 spans.append((job.tensor, ends[job.tensor], ends[job.tensor] + count))
                 ends[job.tensor] += count
-            plan.memo["row spans"] = (spans, [j for j, owner in enumerate(plan.owners) if owner >= 0])
+            owned = [j for j, owner in enumerate(plan.owners) if owner >= 0] + [s.job for s in plan.splits]
+            plan.memo["row spans"] = (spans, owned)
         self.spans, self.owned = plan.memo["row spans"]
         self.sums = [torch.zeros_like(v) for v in rows]
 
@@ -393,6 +445,11 @@ class _RowMoments:
     def computed(self, j: int, new: Tensor) -> None:
         t, start, stop = self.spans[j]
         self.sums[t][start:stop] = new
+
+    def computed_part(self, j: int, offset: int, new: Tensor) -> None:
+        """New moments of a split job's rows from ``offset`` on (each member's rows)."""
+        t, start, _ = self.spans[j]
+        self.sums[t][start + offset : start + offset + new.numel()] = new
 
     def share(self, comm: Collectives) -> None:
         """The one all-reduce; then ``rows`` hold the new moments."""

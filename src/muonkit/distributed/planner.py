@@ -28,6 +28,13 @@ piece of it instead of shipping all of it to a rank that holds nothing.
 replicas of a shard) is sent once: by the owner itself when it holds it (nothing moves), else by
 the holder that has sent the fewest elements so far in this plan (ties: the lowest rank).
 
+**Splits** (``make_plan(split=...)``, :mod:`muonkit.distributed.split_plan`): where ranks
+outnumber the large matrices, a job costing more than the mean per-rank share is run by a group
+of ranks, each holding a block of its long side, instead of one owner (owner -1, in no exchange
+group, described by :attr:`Plan.splits`). Which jobs, into how many shards and on which ranks is
+decided first by cost, then the owners of the other jobs are chosen, then each split's members
+(the least loaded, preferring ranks that hold the shard's rows).
+
 **Exchange groups**: jobs with the same group key (the executor uses the set of matrix shapes and
 the update dtype) travel in one ``all_to_all`` each way; groups run largest first, so the biggest
 transfers overlap the most Newton-Schulz.
@@ -61,6 +68,7 @@ from torch import Tensor
 
 from muonkit.config import MuonConfig
 from muonkit.distributed.pieces import Holders, Job, Piece, Pieces, Region, holders_of
+from muonkit.distributed.split_plan import Split, SplitCost, choose_splits, place_splits, rank_loads
 from muonkit.functional.lr_scaling import lr_scale
 from muonkit.functional.orthogonalize import default_compute_dtype
 
@@ -77,12 +85,15 @@ class Plan:
 
     jobs: tuple[Job, ...]
     owners: tuple[int, ...]
-    """Owner rank of each job; -1 for a zero-size job (no pieces, nothing to compute)."""
+    """Owner rank of each job; -1 for a zero-size job (no pieces, nothing to compute) or a split one."""
     sources: tuple[Sequence[Piece], ...]
     """Per job: one held piece per distinct region, together covering it once; the owner
     assembles the job from them (the job's own ``held`` when no region is held twice)."""
     groups: tuple[tuple[int, ...], ...]
     """Job indices per exchange group, in execution order (largest first); each in job order."""
+    splits: tuple[Split, ...] = ()
+    """Jobs run by a group of ranks instead of one owner (:mod:`muonkit.distributed.split_plan`);
+    their owner is -1 and they are in no exchange group."""
     memo: dict[Hashable, Any] = field(default_factory=dict, compare=False, repr=False)
     """What is derived from the plan once and kept with it: each rank's exchange lists
     (:func:`muonkit.distributed.schedule.rank_schedule`)."""
@@ -119,6 +130,7 @@ def make_plan(
     world_size: int,
     keys: Sequence[Hashable] | None = None,
     tolerance: float = TOLERANCE,
+    split: SplitCost | None = None,
 ) -> Plan:
     """The plan of ``jobs`` on ``world_size`` ranks, in O(jobs log W + pieces) (see the module docstring).
 
@@ -129,11 +141,16 @@ def make_plan(
         keys: each job's exchange group key (jobs with equal keys share one exchange); ``None``:
             a single group for every job.
         tolerance: see :func:`choose_owners`.
+        split: when and how to run a job over a group of ranks (:mod:`~muonkit.distributed.split_plan`);
+            ``None``: every job on one owner.
     """
     holders = [holders_of(job.held) for job in jobs]  # shared by jobs laid out alike: derived once
     for job, held in zip(jobs, holders, strict=True):
         _check_job(job, held, world_size)
-    owners = _owners(jobs, holders, costs, world_size, tolerance)
+    shapes = choose_splits(jobs, costs, world_size, split) if split is not None else {}
+    owners = _owners(jobs, holders, [0.0 if j in shapes else c for j, c in enumerate(costs)], world_size, tolerance)
+    for j in shapes:
+        owners[j] = -1
     sent = [0] * world_size
     order = sorted(range(len(jobs)), key=lambda j: (-costs[j], j))
     chosen: dict[int, Sequence[Piece]] = {}
@@ -143,11 +160,17 @@ def make_plan(
     for j in order:  # a group's position: that of its largest job
         if owners[j] >= 0:
             by_key.setdefault(keys[j] if keys is not None else None, []).append(j)
+    splits: tuple[Split, ...] = ()
+    if shapes:
+        assert split is not None
+        load = rank_loads(owners, (), costs, world_size)
+        splits = place_splits(jobs, shapes, load, costs=costs, cost=split, sent=sent, tolerance=tolerance)
     return Plan(
         jobs=tuple(jobs),
         owners=tuple(owners),
         sources=tuple(chosen[j] for j in range(len(jobs))),
         groups=tuple(tuple(sorted(members)) for members in by_key.values()),
+        splits=splits,
     )
 
 

@@ -151,14 +151,23 @@ def orthogonalize_batches(
         out = _gram_newton_schulz_(box, schedule, restarts)
     else:
         out = _newton_schulz_(box, schedule)
-    out = out.mT if tall else out
-    if out.dtype == first.dtype:
+    return scaled_as(out.mT if tall else out, first.dtype, scale)
+
+
+def scaled_as(out: Tensor, dtype: torch.dtype, scale: float) -> Tensor:
+    """``scale * out`` in ``dtype``, from an iteration's own result ``out`` (scaled in place where it can).
+
+    The rounding of the Muon step on one device: in a compute dtype wider than ``dtype`` the product
+    is formed there and rounded once; from a narrower one the cast is exact and the product is
+    rounded once in ``dtype``.
+    """
+    if out.dtype == dtype:
         return out if scale == 1.0 else out.mul_(scale)  # this call's own buffer: scaled in place
-    if scale != 1.0 and torch.promote_types(out.dtype, first.dtype) == out.dtype:
+    if scale != 1.0 and torch.promote_types(out.dtype, dtype) == out.dtype:
         # A compute dtype wider than the parts' (fp32 for bf16 params): scale there, round once.
-        return out.mul_(scale).to(first.dtype)
+        return out.mul_(scale).to(dtype)
     # A narrower one (bf16 for fp32 params): the cast is exact, the product rounded once.
-    out = out.to(first.dtype)
+    out = out.to(dtype)
     return out if scale == 1.0 else out.mul_(scale)
 
 
@@ -291,16 +300,28 @@ def _normalize_wide_into(x: Tensor, out: Tensor, k: float) -> None:
     torch.div(wide, torch.where(norm > 0, k * norm, torch.ones_like(norm)), out=out)
 
 
-def _newton_schulz_(box: list[Tensor], schedule: Sequence[tuple[float, float, float]]) -> Tensor:
+GramOf = Callable[[Tensor], Tensor]
+"""``X -> X X^T`` for a batch (B, m, n): ``torch.bmm(x, x.mT)`` on one device; on a shard of the
+columns, the sum of every shard's product (:mod:`muonkit.functional.sharded`)."""
+
+
+def _gram(x: Tensor) -> Tensor:
+    return torch.bmm(x, x.mT)
+
+
+def _newton_schulz_(
+    box: list[Tensor], schedule: Sequence[tuple[float, float, float]], gram_of: GramOf = _gram
+) -> Tensor:
     """The quintic iteration on the batch (B, m, n), m <= n, in ``box`` (emptied), in its dtype.
 
     The batch is overwritten: the iterates alternate between it and one spare buffer, so the
     iteration holds two copies of the batch however many steps it runs (the caller holds none).
+    ``gram_of``: how ``A = X X^T`` is formed (the only step that reads every column).
     """
     x = box.pop()
     spare = _spare(x, len(schedule) > 1)
     for a, b, c in schedule:
-        gram = torch.bmm(x, x.mT)
+        gram = gram_of(x)
         poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
         del gram  # not held during the large product
         if spare is None:
@@ -381,7 +402,10 @@ def orthogonalization_flops(
 
 
 def _gram_newton_schulz_(
-    box: list[Tensor], schedule: Sequence[tuple[float, float, float]], restarts: Collection[int]
+    box: list[Tensor],
+    schedule: Sequence[tuple[float, float, float]],
+    restarts: Collection[int],
+    gram_of: GramOf = _gram,
 ) -> Tensor:
     """The same iteration run on the n x n Gram matrix of the batch (B, n, m), n <= m/2, in ``box``.
 
@@ -414,7 +438,7 @@ def _gram_newton_schulz_(
     """
     x = box.pop()
     spare = _spare(x, True)
-    gram = torch.bmm(x, x.mT)
+    gram = gram_of(x)
     q: Tensor | None = None
     for i, (a, b, c) in enumerate(schedule):
         if i in restarts and q is not None:
@@ -423,7 +447,7 @@ def _gram_newton_schulz_(
             else:
                 torch.bmm(q, x, out=spare)
                 x, spare = spare, x
-            gram = torch.bmm(x, x.mT)
+            gram = gram_of(x)
             q = None
         s = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)  # S = b R + c R^2, so P = a I + S
         if q is None:  # Q starts as P, formed in place of S (so the products below take a = 0)
