@@ -145,6 +145,30 @@ def test_every_rank_failing_before_the_first_collective_leaves_the_group_in_step
             assert "the process group is in step" in error.__notes__[0]
 
 
+def test_the_next_optimizer_on_the_group_does_not_read_a_step_every_rank_failed() -> None:
+    """Every rank fails its first step before any collective (the group's sequence number stays
+    where it was); a new optimizer's channels on the same groups wait for their first step's
+    collective without reading that failure (CI: a refused layout, then the next scenario's
+    optimizer raised RankFailedError naming the refused layout's error)."""
+    store = dist.HashStore()
+    groups = [Group(store), Group(store)]
+    first = [FailureChannel(g, rank, 2) for rank, g in enumerate(groups)]
+    threads = [
+        threading.Thread(target=r.failed, args=(ValueError("unsupported layout"),), kwargs={"applied": False})
+        for r in first
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    waiting, _ = (FailureChannel(g, rank, 2) for rank, g in enumerate(groups))
+    waiting.begin()
+    work = Work()
+    threading.Timer(0.1, work.done.set).start()  # the other rank arrives after a few slices
+    waiting.wait(work, waiting.issue())
+    assert work.is_completed() and len(work.waits) >= 2 and waiting.out_of_step is None
+
+
 def test_errors_every_rank_raises_alike_and_waiting_ranks_write_nothing() -> None:
     store = Counted()
     me, _ = _ranks(store)

@@ -33,9 +33,12 @@ are marked with :func:`every_rank`: they leave the group in step and signal noth
 rank raises before the step's first collective (a setting every rank got wrong), no rank
 abandons anything and the group stays in step too.
 
-A step's key is ``muonkit/step_failure/{run}/{the group's sequence number at its start}/{steps of
-this optimizer}``: the same on every rank while the ranks are in step, and new at every step
-(``run``: torchrun's run id and restart count, since its agent keeps one store across restarts).
+A step's key is ``muonkit/step_failure/{run}/{the group's sequence number at its start}/{steps opened
+on the group in this process}``: the same on every rank while the ranks are in step, and new at
+every step (``run``: torchrun's run id and restart count, since its agent keeps one store across
+restarts). The steps are counted per group over every optimizer of the process, not per
+optimizer: a step that every rank fails before its first collective leaves the group's sequence
+number where it was, and the next optimizer's first step must not read that step's record.
 
 On NCCL the device collectives do not block the host: a rank whose peer failed enqueues the
 rest of its step and blocks in the read of the non-finite verdict, which waits for the device,
@@ -81,6 +84,9 @@ _RESTART = (
 )
 
 E = TypeVar("E", bound=BaseException)
+
+_STEPS_OPENED: dict[Any, int] = {}
+"""Steps opened on each process group in this process, by every channel (see the module docstring)."""
 
 
 def every_rank(error: E) -> E:
@@ -135,7 +141,7 @@ class FailureChannel:
         self._store = _store_of(self._group)
         self._prefix = f"{_PREFIX}/{_incarnation()}"
         self._out_of_step_key = f"{self._prefix}/out_of_step"
-        self._steps = 0
+        self._counter = _group_id(self._group)
         self._key: str | None = None  # the open step's key
         self.issued = 0
         """How many collectives this rank issued in the open step (counted by ``Collectives``: every
@@ -151,8 +157,8 @@ class FailureChannel:
 
     def _open(self) -> None:
         if self._key is None:
-            self._steps += 1
-            self._key = f"{self._prefix}/{_sequence_number(self._group)}/{self._steps}"
+            steps = _STEPS_OPENED[self._counter] = _STEPS_OPENED.get(self._counter, 0) + 1
+            self._key = f"{self._prefix}/{_sequence_number(self._group)}/{steps}"
             self.issued = 0
 
     def end(self) -> None:
@@ -323,6 +329,12 @@ def _incarnation() -> str:
     """This run of the job: torchrun's agent keeps one store across the restarts of its workers
     (``--max-restarts``), so a restarted job must not read the keys of the run it replaces."""
     return f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}.{os.environ.get('TORCHELASTIC_RESTART_COUNT', '')}"
+
+
+def _group_id(group: Any) -> Any:
+    """What names ``group`` alike on every rank (its name; a stand-in without one: the object)."""
+    name = getattr(group, "group_name", None)
+    return ("name", name) if isinstance(name, str) else ("object", id(group))
 
 
 def _sequence_number(group: Any) -> int:
