@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from muonkit.cli import main
+from muonkit.distributed.split_plan import NEVER, SplitPolicy
 from muonkit.simulator.host import _Simulated
 from muonkit.simulator.meshes import parse_mesh
 from muonkit.simulator.models import (
@@ -195,23 +196,45 @@ def test_placements_are_those_torch_gives(experts: int) -> None:
     assert done.stdout.count("ok ") == 4
 
 
-def test_per_rank_figures_are_what_the_executor_sends() -> None:
+@pytest.mark.parametrize("forced", [None, SplitPolicy(threshold=0, parts=4)], ids=["default", "split"])
+def test_per_rank_figures_are_what_the_executor_sends(forced: SplitPolicy | None) -> None:
     """Each rank's bytes in the simulation equal what the executor (stubbed collectives) counts
-    sending; Newton-Schulz FLOPs add up to every job's once."""
+    sending, split jobs' sums and gathers too; Newton-Schulz FLOPs add up to every job's once (a
+    split job's: its members' shares, at least the whole job's)."""
+    from muonkit.simulator.host import _locals, host_step
+
     model = shapes_of("small", *SMALL["kimi-k2"])
     for mesh in ("ep=4,fsdp=2", "tp=2,hsdp=2x2", "fsdp=8"):
-        stage = plan_stage(model, parse_mesh(mesh), 0)
+        stage = plan_stage(model, parse_mesh(mesh), 0, policy=forced)
+        splits = [s for g in stage.groups for s in g.plan.splits]
+        assert bool(splits) == (forced is not None), mesh
         flops, sent, received, _ = per_rank(stage, 8)
-        assert sum(flops) == sum(c for g in stage.groups for c in g.costs)
+        whole = sum(c for g in stage.groups for j, c in enumerate(g.costs) if g.plan.owners[j] >= 0)
+        assert sum(flops) == pytest.approx(whole + sum(sum(s.flops) for s in splits))
         assert sum(sent) == sum(received) > 0
         for rank in range(8):
             strategy = _Simulated(rank, 8)
             for group in stage.groups:
-                from muonkit.simulator.host import _locals
-
                 updates = _locals(group, rank)
                 strategy.run(group.plan, updates, updates, group.config)
             assert strategy.stats.bytes_sent == sent[rank], (mesh, rank)
+        members = sorted({r for s in splits for r in s.ranks})
+        for rank in members[:1]:  # a member's host work runs (its shard's iteration left out of it)
+            measured = host_step(stage, rank, repeats=1)
+            assert 0 < measured["step_s"] < 5, measured
+
+
+def test_a_split_balances_llama_70b_where_ranks_outnumber_its_matrices() -> None:
+    """Issue 21's target, on a stand-in small enough for CI: Llama-70B's shapes, 4 of its 80 layers
+    (28 Muon matrices) at W=256 ranks: 9.1 ranks per matrix, the whole model at 4,096 has 7.3.
+    Busiest rank / mean <= 1.5 with splits (measured 1.13), far above it without (17.0)."""
+    model = shapes_of("Llama-70B, 4 layers", {**LLAMA_70B, "num_hidden_layers": 4}, LLAMA_TP_PLAN)
+    mesh = parse_mesh("fsdp=256")
+    balanced = simulate(model, mesh, host=False).to_dict()
+    alone = simulate(model, mesh, host=False, split=NEVER).to_dict()
+    assert balanced["ns_busiest_over_mean"] <= 1.5
+    assert alone["ns_busiest_over_mean"] > 5
+    assert balanced["ns_flops_mean"] == pytest.approx(alone["ns_flops_mean"], rel=0.2)  # shares, not repeats
 
 
 def test_plan_prints_a_row_per_mesh_and_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 import torch
 
 from muonkit.distributed.pieces import Box, Job, Piece, Region, Span
-from muonkit.functional.sharded import p_rows, shard_collectives, shard_flops
+from muonkit.functional.sharded import norm_sum_numel, p_rows, shard_collectives, shard_flops
 
 __all__ = [
     "Split",
@@ -64,6 +64,7 @@ __all__ = [
     "place_splits",
     "rank_loads",
     "split_dim",
+    "split_traffic",
 ]
 
 
@@ -495,3 +496,49 @@ def rank_loads(owners: Sequence[int], splits: Sequence[Split], costs: Sequence[f
         for r, flops in zip(split.ranks, split.flops, strict=True):
             load[r] += flops
     return load
+
+
+def split_traffic(
+    job: Job, split: Split, cost: SplitCost, *, update_bytes: int, wire_bytes: int
+) -> tuple[dict[int, int], dict[int, int]]:
+    """Bytes each rank sends and receives for one split job in one step: ``(sent, received)``.
+
+    The parts of each shard its member lacks (holds no replica of) travel to it (``update_bytes``
+    per element); each
+    member's sums and gathers (a ring all-reduce sends and receives ``2 (g-1)/g`` of what it sums:
+    the norm's one square sum, and per step the upper triangle of an ``m x m`` Gram; an all-gather
+    a member's block of ``P`` to ``g-1`` ranks), as the executor counts them; each receiver's part of a
+    shard's result comes back from its member (``wire_bytes`` per element).
+    """
+    sent: dict[int, int] = {}
+    received: dict[int, int] = {}
+
+    def move(src: int, dst: int, nbytes: int) -> None:
+        if src != dst and nbytes:
+            sent[src] = sent.get(src, 0) + nbytes
+            received[dst] = received.get(dst, 0) + nbytes
+
+    dim, shape = split.dim, job.shape
+    holding: dict[Region, set[int]] = {}
+    for piece in job.held:
+        holding.setdefault(piece.region, set()).add(piece.rank)
+    for piece in split.sources:
+        for k, numel in _clipped(piece.region, dim, split.bounds, shape):
+            if split.ranks[k] not in holding[piece.region]:  # a member holding a replica reads its own
+                move(piece.rank, split.ranks[k], numel * update_bytes)
+    for piece in job.receivers:
+        for k, numel in _clipped(piece.region, dim, split.bounds, shape):
+            move(split.ranks[k], piece.rank, numel * wire_bytes)
+    g, m, n = len(split.ranks), shape[1 - dim], shape[dim]
+    sums, gathers = shard_collectives(m, n, cost.steps, method=cost.method, dtype=cost.dtype, by_rows=split.by_rows)
+    wide = 8 if cost.dtype == torch.float64 else 4
+    narrow = wide if cost.dtype in (None, torch.float32, torch.float64) else 2
+    ring = 2 * (g - 1) / g  # of the summed bytes, sent (and received) by each member of a ring
+    for k, rank in enumerate(split.ranks):
+        per_step = round(ring * 8 * norm_sum_numel(cost.dtype)) + sums * round(
+            ring * (m * (m + 1) // 2) * wide
+        )  # the norm's sum, the Grams'
+        per_step += gathers * (g - 1) * len(p_rows(m, g, k)) * m * narrow if split.by_rows else 0
+        sent[rank] = sent.get(rank, 0) + per_step
+        received[rank] = received.get(rank, 0) + per_step
+    return sent, received

@@ -82,6 +82,7 @@ from muonkit.functional.orthogonalize import (
 __all__ = [
     "Gather",
     "Reduce",
+    "norm_sum_numel",
     "normuon_normalize_shard",
     "orthogonalize_shard",
     "p_rows",
@@ -317,6 +318,12 @@ def shard_flops(
                 replicated += 4 * m**3
         return (1 + len(restarts)) * 4 * m * m * n + replicated
     return steps * (4 * m * m * n + 2 * m * m * (m if rows is None else rows))
+
+
+def norm_sum_numel(dtype: torch.dtype | None) -> int:
+    """Float64 elements of the norm's one sum per matrix (:func:`_normalize_shard_into`): one square
+    sum, or one per exponent band where the shard is float64."""
+    return len(_BANDS) if dtype == torch.float64 else 1
 
 
 def shard_collectives(

@@ -49,13 +49,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=e.bandwidth,
         help=f"GB/s one rank sends or receives (default {e.bandwidth:g})",
     )
+    parser.add_argument(
+        "--no-split", action="store_true",
+        help="never split a matrix's Newton-Schulz over a group of ranks (default: where it pays, as the executor does)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--split-flops-per-byte", type=float, default=None,
+        help="the split cost model's FLOPs per byte a member sends (default 2000: an NVLink domain; raise it for slower links)",
+    )  # fmt: skip
     parser.add_argument("--no-host", action="store_true", help="skip measuring the executor's host work per step")
     parser.add_argument("--json", metavar="PATH", help="also write every figure as JSON")
 
 
 def run(args: argparse.Namespace) -> int:
+    import dataclasses
+    import math
+
     import torch
 
+    from muonkit.distributed.split_plan import SplitPolicy
     from muonkit.simulator.meshes import parse_mesh
     from muonkit.simulator.models import load
     from muonkit.simulator.report import footnote, header, row
@@ -66,12 +78,15 @@ def run(args: argparse.Namespace) -> int:
         model = load(args.model)
         meshes = [parse_mesh(m) for m in args.mesh or ["fsdp=8"]]
         estimate = Estimate(args.tokens, args.peak_tflops, args.mfu, args.ns_efficiency, args.bandwidth)
+        policy = SplitPolicy(threshold=math.inf) if args.no_split else SplitPolicy()
+        if args.split_flops_per_byte is not None:
+            policy = dataclasses.replace(policy, flops_per_byte=args.split_flops_per_byte)
     except ValueError as e:
         raise SystemExit(f"muonkit plan: {e}") from None
     print(header(), flush=True)
     sims = []
     for mesh in meshes:  # a row as soon as it is known: large meshes take a while
-        sims.append(simulate(model, mesh, estimate=estimate, host=not args.no_host))
+        sims.append(simulate(model, mesh, estimate=estimate, host=not args.no_host, split=policy))
         print(row(sims[-1]), flush=True)
     print(f"\n{footnote(estimate)}")
     if args.json:

@@ -19,7 +19,7 @@ import contextlib
 import statistics
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -43,7 +43,7 @@ def host_step(stage: Any, rank: int, *, repeats: int = 5) -> dict[str, float]:
     strategy = _Simulated(rank, stage.world_size)
     calls = [(group.plan, _locals(group, rank), group.config) for group in stage.groups]
     times = []
-    with _fast_meta_cat():
+    with _fast_meta_cat(), _split_newton_schulz_left_out(strategy):
         for _ in range(repeats + 1):
             strategy.stand_in = 0.0
             start = time.thread_time()
@@ -74,6 +74,33 @@ def _fast_meta_cat() -> Iterator[None]:
         library._destroy()
 
 
+@contextlib.contextmanager
+def _split_newton_schulz_left_out(strategy: _Simulated) -> Iterator[None]:
+    """A split job's Newton-Schulz (its iteration on a shard, the sums and gathers among its members)
+    timed into ``strategy.stand_in`` for the duration, as :meth:`_Simulated.compute` stands in for a
+    whole one: on meta tensors its arithmetic is the Python of dispatching it, not host work."""
+    from muonkit.distributed import split_run
+
+    real = split_run.orthogonalize_shard, split_run.normuon_normalize_shard
+
+    def timed(function: Callable[..., Any]) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            start = time.thread_time()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                strategy.stand_in += time.thread_time() - start
+
+        return run
+
+    split_run.orthogonalize_shard = timed(real[0])
+    split_run.normuon_normalize_shard = timed(real[1])
+    try:
+        yield
+    finally:
+        split_run.orthogonalize_shard, split_run.normuon_normalize_shard = real
+
+
 def _locals(group: Any, rank: int) -> list[Tensor]:
     """The rank's local update of each param of a group: its box's shape (the whole under DDP), on meta."""
     out = []
@@ -92,9 +119,17 @@ class _Stub(Collectives):
     def all_to_all_single(
         self, output: Tensor, input: Tensor, *, output_splits: list[int], input_splits: list[int]
     ) -> Pending:
-        self.stats.collectives += 1  # counted as Collectives counts it, with no failure channel to tell
-        self.stats.bytes_sent += (sum(input_splits) - input_splits[self.rank]) * input.element_size()
+        self._count((sum(input_splits) - input_splits[self.rank]) * input.element_size())
         return Pending(_Done(), output, input)
+
+    def _count(self, nbytes: float) -> int:
+        """Counted as Collectives counts it, with no failure channel to tell."""
+        self.stats.collectives += 1
+        self.stats.bytes_sent += round(nbytes)
+        return 0
+
+    def _exchange(self, ring: list[int], me: int, send: Tensor, recv: Tensor) -> None:
+        return None  # a ring's messages (counted by ring_all_reduce and ring_all_gather as they start)
 
 
 class _Done:

@@ -38,6 +38,7 @@ from muonkit.distributed.executor import group_keys
 from muonkit.distributed.pieces import Box, Job, holders_of
 from muonkit.distributed.planner import Plan, job_cost, make_plan, wire_dtype
 from muonkit.distributed.replicated import whole_jobs
+from muonkit.distributed.split_plan import SplitCost, SplitPolicy, split_traffic
 from muonkit.simulator.meshes import MeshSpec
 from muonkit.simulator.models import Matrix, ModelShapes
 
@@ -92,6 +93,8 @@ class GroupPlan:
     config: MuonConfig
     plan: Plan
     costs: list[float]
+    split_cost: SplitCost
+    """When the plan split a job's Newton-Schulz over a group of ranks (:attr:`Plan.splits`)."""
 
 
 @dataclass
@@ -161,11 +164,19 @@ class Simulation:
         return {"train_step_s": train, "ns_s": ns, "exchange_s": exchange, "overhead": (ns + exchange) / train}
 
 
-def simulate(model: ModelShapes, mesh: MeshSpec, *, estimate: Estimate | None = None, host: bool = True) -> Simulation:
+def simulate(
+    model: ModelShapes,
+    mesh: MeshSpec,
+    *,
+    estimate: Estimate | None = None,
+    host: bool = True,
+    split: SplitPolicy | None = None,
+) -> Simulation:
     """Plan every stage of ``model`` on ``mesh`` and measure it (see the module docstring).
 
     ``host``: also run the executor's per-step bookkeeping for the busiest rank of the busiest
-    stage (:func:`muonkit.simulator.host.host_step`).
+    stage (:func:`muonkit.simulator.host.host_step`). ``split``: when a job's Newton-Schulz runs
+    over a group of ranks (the executor's default policy; ``SplitPolicy(threshold=math.inf)``: never).
     """
     from muonkit.simulator.host import host_step
 
@@ -173,7 +184,7 @@ def simulate(model: ModelShapes, mesh: MeshSpec, *, estimate: Estimate | None = 
     w = mesh.stage_ranks
     busiest: tuple[int, int, int] = (-1, 0, 0)  # (pieces, stage, rank)
     for stage in range(mesh.pp):
-        planned = plan_stage(model, mesh, stage)
+        planned = plan_stage(model, mesh, stage, policy=split)
         sim.plan_seconds = max(sim.plan_seconds, planned.seconds)
         sim.plan_memory = max(sim.plan_memory, planned.memory)
         flops, sent, received, work = per_rank(planned, w)
@@ -192,14 +203,17 @@ def simulate(model: ModelShapes, mesh: MeshSpec, *, estimate: Estimate | None = 
     return sim
 
 
-def plan_stage(model: ModelShapes, mesh: MeshSpec, stage: int) -> StagePlan:
+def plan_stage(model: ModelShapes, mesh: MeshSpec, stage: int, *, policy: SplitPolicy | None = None) -> StagePlan:
     """The jobs and plans of one pipeline stage, timed from cold caches."""
+    policy = SplitPolicy() if policy is None else policy
     dtensor_layout.clear_caches()
     start = time.process_time()
     groups: dict[tuple[str, tuple[int, ...] | None], list[Matrix]] = {}
     for matrix in _stage_matrices(model, mesh.pp, stage):
         groups.setdefault((matrix.layout, matrix.split_sizes), []).append(matrix)
-    planned = [_plan_group(model, mesh, layout, split, matrices) for (layout, split), matrices in groups.items()]
+    planned = [
+        _plan_group(model, mesh, layout, split, matrices, policy) for (layout, split), matrices in groups.items()
+    ]
     seconds = time.process_time() - start
     return StagePlan(
         stage, mesh.stage_ranks, planned, seconds, retained_bytes((planned, dtensor_layout.layout_caches()))
@@ -207,7 +221,12 @@ def plan_stage(model: ModelShapes, mesh: MeshSpec, stage: int) -> StagePlan:
 
 
 def _plan_group(
-    model: ModelShapes, mesh: MeshSpec, layout: str, split: tuple[int, ...] | None, matrices: list[Matrix]
+    model: ModelShapes,
+    mesh: MeshSpec,
+    layout: str,
+    split: tuple[int, ...] | None,
+    matrices: list[Matrix],
+    policy: SplitPolicy,
 ) -> GroupPlan:
     config = muon_config(layout, split)
     w = mesh.stage_ranks
@@ -224,9 +243,10 @@ def _plan_group(
             jobs += tensor_jobs(i, matrix.shape, config.layout, boxes)
     costs = [job_cost(job, config) for job in jobs]
     keys = group_keys(jobs, [torch.float32] * len(matrices))
-    plan = make_plan(jobs, costs=costs, world_size=w, keys=keys)
+    cost = SplitCost(steps=config.steps, method=config.ns_method, dtype=config.ns_dtype, policy=policy)
+    plan = make_plan(jobs, costs=costs, world_size=w, keys=keys, split=cost)
     return GroupPlan(
-        f"{layout}{'' if split is None else f' split {list(split)}'}", matrices, holders, config, plan, costs
+        f"{layout}{'' if split is None else f' split {list(split)}'}", matrices, holders, config, plan, costs, cost
     )
 
 
@@ -267,6 +287,15 @@ def per_rank(planned: StagePlan, w: int) -> tuple[list[float], list[int], list[i
                     sent[owner] += wire * n
                     received[rank] += wire * n
                     work[rank] += 1
+        for split in plan.splits:  # a job's Newton-Schulz over a group of ranks
+            for rank, f in zip(split.ranks, split.flops, strict=True):
+                flops[rank] += f
+                work[rank] += 1
+            out, into = split_traffic(plan.jobs[split.job], split, group.split_cost, update_bytes=4, wire_bytes=wire)
+            for rank, n in out.items():
+                sent[rank] += n
+            for rank, n in into.items():
+                received[rank] += n
     return flops, sent, received, work
 
 
