@@ -104,9 +104,15 @@ class Box:
 
     def write(self, whole: Tensor, data: Tensor) -> None:
         """Copy flat ``data`` (storage order) into this region of ``whole``."""
+        for dst, src in self.copies(whole, data):
+            dst.copy_(src)
+
+    def copies(self, whole: Tensor, data: Tensor) -> list[tuple[Tensor, Tensor]]:
+        """``(view of whole, view of data)`` pairs whose copies are :meth:`write` (to batch them)."""
         local = data.view(self.shape)
-        for dst, src in self._blocks():
-            whole[tuple(slice(*d) for d in dst)] = local[tuple(slice(*s) for s in src)]
+        return [
+            (whole[tuple(slice(*d) for d in dst)], local[tuple(slice(*s) for s in src)]) for dst, src in self._blocks()
+        ]
 
 
 @dataclass(frozen=True)
@@ -125,6 +131,9 @@ class Span:
 
     def write(self, whole: Tensor, data: Tensor) -> None:
         whole.view(-1)[self.start : self.stop] = data
+
+    def copies(self, whole: Tensor, data: Tensor) -> list[tuple[Tensor, Tensor]]:
+        return [(whole.view(-1)[self.start : self.stop], data)]
 
 
 Region = Box | Span

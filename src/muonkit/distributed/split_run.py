@@ -225,6 +225,30 @@ def _read(local: Tensor, piece: Piece, part: Region) -> Tensor:
     return within(piece.region, part).read(_view(local, piece))
 
 
+class _Writes:
+    """Copies into the updates, applied at once: ``torch._foreach_copy_`` (converting to the
+    update's dtype), then ``torch._foreach_mul_`` per scale (the data is never written: it may be a
+    view of a result still to be sent)."""
+
+    def __init__(self) -> None:
+        self.destinations: list[Tensor] = []
+        self.sources: list[Tensor] = []
+        self.scaled: dict[float, list[Tensor]] = {}
+
+    def add(self, copies: list[tuple[Tensor, Tensor]], scale: float) -> None:
+        for destination, source in copies:
+            self.destinations.append(destination)
+            self.sources.append(source)
+            if scale != 1.0:
+                self.scaled.setdefault(scale, []).append(destination)
+
+    def apply(self) -> None:
+        if self.destinations:
+            torch._foreach_copy_(self.destinations, self.sources)
+        for scale, views in self.scaled.items():
+            torch._foreach_mul_(views, scale)
+
+
 class SplitRun:
     """The split jobs of one :meth:`PlannedStrategy.run` on this rank (see the module docstring)."""
 
@@ -380,7 +404,9 @@ class SplitRun:
     # -- stage 3 -------------------------------------------------------------------------------
 
     def finish(self, out: Sequence[Tensor]) -> None:
-        """Send each rank its parts of my shards' results, receive mine, write them into ``out``."""
+        """Send each rank its parts of my shards' results, receive mine, write them into ``out``
+        (batched: one copy of every part, then one multiply per scale, as owned jobs' writes)."""
+        writes = _Writes()
         for i, split in enumerate(self.plan.splits):
             member = self.schedule.members[i]
             if member is None:
@@ -388,9 +414,14 @@ class SplitRun:
             job = self.plan.jobs[split.job]
             for piece, part in member.writes:
                 data = shifted(part, member.shard, split.dim, job.shape).read(self.results[i])
-                self._write(i, piece, part, data, out)
-        if not any(s.returns for s in self.plan.splits):
-            return
+                self._write(i, piece, part, data, out, writes)
+        if any(s.returns for s in self.plan.splits):
+            self._returns(out, writes)
+        writes.apply()
+        self.results = {}
+
+    def _returns(self, out: Sequence[Tensor], writes: _Writes) -> None:
+        """Send each receiver its parts of my shards' results; receive mine (to ``writes``)."""
         like_of = {i: self.updates[self._job(i).tensor] for i in range(len(self.plan.splits))}
         for wire in self._dtypes(lambda i: wire_dtype(self.config, like_of[i])):
             chosen = [i for i in range(len(self.plan.splits)) if wire_dtype(self.config, like_of[i]) == wire]
@@ -413,20 +444,20 @@ class SplitRun:
             pending.wait()
             offset = 0
             for _, i, (piece, part) in expected:
-                self._write(i, piece, part, buffer[offset : offset + part.numel], out)
+                self._write(i, piece, part, buffer[offset : offset + part.numel], out, writes)
                 offset += part.numel
-        self.results = {}
 
-    def _write(self, i: int, piece: Piece, part: Region, data: Tensor, out: Sequence[Tensor]) -> None:
+    def _write(self, i: int, piece: Piece, part: Region, data: Tensor, out: Sequence[Tensor], writes: _Writes) -> None:
         """Put flat ``data`` (``part`` of the job, storage order) into my receiver ``piece`` of ``out``,
-        scaled unless the member did (a per-element ``view.mul_`` after the copy, as owned jobs do)."""
+        scaled unless the member did (a ``view.mul_`` after the copy, as owned jobs do), in ``writes``."""
         job = self.plan.jobs[self.plan.splits[i].job]
         view = _view(out[job.tensor], piece)
+        copies = within(piece.region, part).copies(view, data)
+        scale = 1.0
         if not self._scaled(i):
             (block,) = job.layout.blocks(job.shape)
-            # Not in place: ``data`` may be a view of a result still to be sent.
-            data = data.to(view.dtype) * lr_scale(self.config.adjust_lr, block.rows, block.cols)
-        within(piece.region, part).write(view, data.to(view.dtype))
+            scale = lr_scale(self.config.adjust_lr, block.rows, block.cols)
+        writes.add(copies, scale)
 
     def _scaled(self, i: int) -> bool:
         if i in self.on_owner:
