@@ -328,10 +328,18 @@ class SplitRun:
                 return view[where].view(member.shard.shape)
             return view.narrow(split.dim, where.start, where.stop - where.start)
         shard = local.new_empty(member.shard.shape)
-        for piece, part in member.own:
-            shifted(part, member.shard, split.dim, job.shape).write(shard, _read(local, piece, part))
-        for _, (piece, part) in member.incoming:
-            shifted(part, member.shard, split.dim, job.shape).write(shard, received[(i, piece)])
+        copies = [  # one batched copy of every part
+            pair
+            for piece, part in member.own
+            for pair in shifted(part, member.shard, split.dim, job.shape).copies(shard, _read(local, piece, part))
+        ]
+        copies += [
+            pair
+            for _, (piece, part) in member.incoming
+            for pair in shifted(part, member.shard, split.dim, job.shape).copies(shard, received[(i, piece)])
+        ]
+        if copies:
+            torch._foreach_copy_([d for d, _ in copies], [s for _, s in copies])
         return shard
 
     def _direction(
