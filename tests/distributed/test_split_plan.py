@@ -139,3 +139,17 @@ def test_plans_are_deterministic() -> None:
     costs = [float(orthogonalization_flops(r, c, 5, "newton_schulz", torch.bfloat16)) for r, c in shapes]
     plans = [make_plan(_fsdp_jobs(shapes, 64), costs=costs, world_size=64, split=BF16) for _ in range(2)]
     assert plans[0] == plans[1] and plans[0].splits
+
+
+def test_flat_forms_cut_both_sides_of_a_copy_alike() -> None:
+    """A split run's copies as flat ranges (muonkit.distributed.split_run): a region of a 2-D storage
+    is its rows' ranges (adjacent ones merged), and a copy's two sides are cut at every boundary
+    of either, so that range n of one goes into range n of the other."""
+    from muonkit.distributed.split_run import _aligned, _ranges
+
+    assert _ranges(Box((((0, 2),), ((1, 3),))), (4, 5)) == ((1, 3), (6, 8))
+    assert _ranges(Box((((0, 2), (2, 3)), ((0, 5),))), (4, 5)) == ((0, 15),)  # whole rows: one range
+    assert _ranges(Box((((0, 1), (3, 4)), ((0, 5),))), (4, 5)) == ((0, 5), (15, 20))
+    dst, src = _aligned(((0, 4), (10, 12)), ((100, 103), (200, 203)))
+    assert dst == ((0, 3), (3, 4), (10, 12)) and src == ((100, 103), (200, 201), (201, 203))
+    assert _aligned(((0, 6),), None) is None

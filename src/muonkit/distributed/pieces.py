@@ -72,11 +72,11 @@ class Box:
     def full(shape: Sequence[int]) -> Box:
         return Box(tuple(((0, n),) if n else () for n in shape))
 
-    @property
+    @functools.cached_property  # read per part at every step of a split job
     def shape(self) -> tuple[int, ...]:
         return tuple(sum(b - a for a, b in runs) for runs in self.runs)
 
-    @property
+    @functools.cached_property
     def numel(self) -> int:
         return math.prod(self.shape)
 

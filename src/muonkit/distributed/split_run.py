@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 from torch import Tensor
@@ -41,6 +41,7 @@ from muonkit.distributed.base import StrategyStats
 from muonkit.distributed.collectives import Collectives, Pending
 from muonkit.distributed.pieces import Box, Job, Piece, Region, Span, local_part
 from muonkit.distributed.planner import Plan, wire_dtype
+from muonkit.distributed.schedule import Cuts, local_range
 from muonkit.distributed.split_plan import Split, clip
 from muonkit.functional.lr_scaling import lr_scale
 from muonkit.functional.sharded import normuon_normalize_shard, orthogonalize_shard, p_rows, shard_flops
@@ -95,6 +96,47 @@ class _Schedule:
     """Per split: the parts of my source pieces I send: ``(member rank, (my piece, part))``."""
     receives: list[list[tuple[int, Part]]]
     """Per split: the parts of results sent to me: ``(member rank, (my receiver piece, part))``."""
+    flat: _Flat
+    """Where those parts lie as flat ranges (views by one split per tensor a step), where they do."""
+
+
+Ranges = tuple[tuple[int, int], ...]
+"""Flat ranges of a tensor, in a part's storage order."""
+
+MAX_SEGMENTS = 4096
+"""A part cut into more flat ranges than this is copied as a region (by its box)."""
+
+
+@dataclass(frozen=True)
+class _Flat:
+    """The parts of :class:`_Schedule` as flat ranges of the tensors they lie in (:class:`Cuts`), so
+    that a step gets their views with one ``split`` per tensor (and per received buffer) instead of
+    a few view ops per part; None where some part has no such form (then part by part, as regions).
+    A copy's two sides are cut alike (:func:`_aligned`): destination range ``n`` takes source range ``n``.
+
+    Keys: an update's tensor index for local tensors (``updates``, ``out``), a split's index for
+    its shard (key 0 alone) or its result."""
+
+    sends: Cuts | None
+    """My sent parts in my updates, in (split, send) order."""
+    send_to: tuple[tuple[int, int], ...]
+    """Per range of :attr:`sends`: (its split, the member it goes to)."""
+    shards: dict[int, tuple[Cuts, Cuts]]
+    """Per split whose shard I assemble: where its own then received parts go in the shard (key 0),
+    and where the own ones are in my updates."""
+    incoming: dict[tuple[int, Piece], Ranges]
+    """Per received part of a shard (split, source piece): the sizes its buffer part is cut into."""
+    outgoing: Cuts | None
+    """My shards' result parts for other ranks, in (split, outgoing) order."""
+    outgoing_to: tuple[tuple[int, int], ...]
+    """Per range of :attr:`outgoing`: (its split, the rank it goes to)."""
+    writes: tuple[Cuts, Cuts, tuple[int, ...]] | None
+    """Parts of my shards' results I keep: where they go in ``out``, where they are in the results,
+    each range's split."""
+    receives: tuple[Cuts, dict[tuple[int, int], tuple[int, Ranges]]] | None
+    """Received result parts: where they go in ``out`` (in (split, receive) order), and per part
+    (split, its index in the split's receives): its first range there and the sizes its buffer
+    part is cut into."""
 
 
 def schedule(plan: Plan, rank: int) -> _Schedule:
@@ -122,7 +164,144 @@ def schedule(plan: Plan, rank: int) -> _Schedule:
                 if split.ranks[k] != rank
             ]
         )
-    return _Schedule(members, sends, receives)
+    return _Schedule(members, sends, receives, _flat_forms(plan, members, sends, receives))
+
+
+def _flat_forms(
+    plan: Plan,
+    members: list[_Member | None],
+    sends: list[list[tuple[int, Part]]],
+    receives: list[list[tuple[int, Part]]],
+) -> _Flat:
+    def tensor(i: int) -> int:
+        return plan.jobs[plan.splits[i].job].tensor
+
+    def in_shard(i: int, member: _Member, part: Region) -> Ranges | None:
+        split = plan.splits[i]
+        return _ranges(shifted(part, member.shard, split.dim, plan.jobs[split.job].shape), member.shard.shape)
+
+    sent = [(i, rank, tensor(i), _in_piece(piece, part)) for i, s in enumerate(sends) for rank, (piece, part) in s]
+    shards, incoming = {}, {}
+    for i, member in enumerate(members):
+        if member is None or member.view is not None:
+            continue
+        own = [_aligned(in_shard(i, member, part), _in_piece(piece, part)) for piece, part in member.own]
+        received = [(piece, in_shard(i, member, part)) for _, (piece, part) in member.incoming]
+        if any(o is None for o in own) or any(r is None for _, r in received):
+            continue
+        pairs = cast(list[tuple[Ranges, Ranges]], own)
+        dst = _cuts([(0, d) for d, _ in pairs] + [(0, r) for _, r in received])
+        src = _cuts([(tensor(i), r) for _, r in pairs])
+        if dst is not None and src is not None:
+            shards[i] = (dst, src)
+            incoming.update({(i, piece): _sizes(cast(Ranges, r)) for piece, r in received})
+    outgoing = [(i, rank, in_shard(i, m, part)) for i, m in enumerate(members) if m for rank, (_, part) in m.outgoing]
+    kept = [
+        (i, _aligned(_in_piece(piece, part), in_shard(i, m, part)))
+        for i, m in enumerate(members)
+        if m
+        for piece, part in m.writes
+    ]
+    writes = None
+    if all(pair is not None for _, pair in kept):
+        aligned = [(i, cast(tuple[Ranges, Ranges], pair)) for i, pair in kept]
+        to, source = _cuts([(tensor(i), d) for i, (d, _) in aligned]), _cuts([(i, r) for i, (_, r) in aligned])
+        if to is not None and source is not None:
+            writes = (to, source, tuple(i for i, (d, _) in aligned for _ in d))
+    into = [
+        ((i, k), tensor(i), _in_piece(piece, part))
+        for i, r in enumerate(receives)
+        for k, (_, (piece, part)) in enumerate(r)
+    ]
+    received_cuts = _cuts([(t, r) for _, t, r in into])
+    where: dict[tuple[int, int], tuple[int, Ranges]] = {}
+    first = 0
+    for key, _, r in into if received_cuts is not None else []:
+        where[key] = (first, _sizes(cast(Ranges, r)))
+        first += len(cast(Ranges, r))
+    return _Flat(
+        sends=_cuts([(t, r) for _, _, t, r in sent]),
+        send_to=tuple((i, rank) for i, rank, _, r in sent for _ in r or ()),
+        shards=shards,
+        incoming=incoming,
+        outgoing=_cuts([(i, r) for i, _, r in outgoing]),
+        outgoing_to=tuple((i, rank) for i, rank, r in outgoing for _ in r or ()),
+        writes=writes,
+        receives=None if received_cuts is None else (received_cuts, where),
+    )
+
+
+def _sizes(ranges: Ranges) -> Ranges:
+    """Each range as ``(0, its size)``."""
+    return tuple((0, b - a) for a, b in ranges)
+
+
+def _aligned(dst: Ranges | None, src: Ranges | None) -> tuple[Ranges, Ranges] | None:
+    """Both sides (ranges of the same total size) cut at every boundary of either: range ``n`` of one
+    copies into range ``n`` of the other; None where a side has no flat form."""
+    if dst is None or src is None:
+        return None
+    out_d, out_s = [], []
+    i = j = 0
+    (a, b), (c, e) = dst[0], src[0]
+    while True:
+        n = min(b - a, e - c)
+        out_d.append((a, a + n))
+        out_s.append((c, c + n))
+        a, c = a + n, c + n
+        if a == b:
+            i += 1
+            if i == len(dst):
+                return tuple(out_d), tuple(out_s)
+            a, b = dst[i]
+        if c == e:
+            j += 1
+            c, e = src[j]
+
+
+def _cuts(pieces: list[tuple[int, Ranges | None]]) -> Cuts | None:
+    """:meth:`Cuts.of` where every piece has a flat form and none overlaps another partly (equal
+    ranges share a view: one result part for two replicas), else None."""
+    if any(ranges is None for _, ranges in pieces):
+        return None
+    try:
+        return Cuts.of(cast(list[tuple[int, Ranges]], pieces))
+    except ValueError:  # overlapping ranges
+        return None
+
+
+def _ranges(region: Region, shape: Sequence[int]) -> Ranges | None:
+    """``region`` of a 2-D storage of ``shape`` (flat for a span) as flat ranges in its storage
+    order, adjacent ones merged; None beyond :data:`MAX_SEGMENTS` ranges."""
+    if isinstance(region, Span):
+        return ((region.start, region.stop),)
+    if len(region.runs) != 2 or len(shape) != 2:
+        return None
+    (rows, cols), width = region.runs, shape[1]
+    if cols == ((0, width),):
+        spans = [(a * width, b * width) for a, b in rows]
+    else:
+        spans = [(r * width + c, r * width + d) for a, b in rows for r in range(a, b) for c, d in cols]
+    out: list[tuple[int, int]] = []
+    for start, stop in spans:
+        if out and out[-1][1] == start:
+            out[-1] = (out[-1][0], stop)
+        else:
+            out.append((start, stop))
+        if len(out) > MAX_SEGMENTS:
+            return None
+    return tuple(out)
+
+
+def _in_piece(piece: Piece, part: Region) -> Ranges | None:
+    """``part`` (inside ``piece``'s region) as flat ranges of its holder's local tensor, or None."""
+    inner = within(piece.region, part)
+    base = local_range(piece)[0]
+    if isinstance(inner, Span):
+        return ((base + inner.start, base + inner.stop),)
+    assert isinstance(piece.region, Box)
+    ranges = _ranges(inner, piece.region.shape)
+    return None if ranges is None else tuple((base + a, base + b) for a, b in ranges)
 
 
 def _member(job: Job, split: Split, rank: int) -> _Member | None:
@@ -225,6 +404,11 @@ def _read(local: Tensor, piece: Piece, part: Region) -> Tensor:
     return within(piece.region, part).read(_view(local, piece))
 
 
+def _views(cuts: Cuts | None, tensors: object) -> list[Tensor] | None:
+    """Each part's flat view (:meth:`Cuts.views`), or None: no flat form, or a tensor not contiguous."""
+    return None if cuts is None else cuts.views(tensors)
+
+
 class _Writes:
     """Copies into the updates, applied at once: ``torch._foreach_copy_`` (converting to the
     update's dtype), then ``torch._foreach_mul_`` per scale (the data is never written: it may be a
@@ -268,6 +452,7 @@ class SplitRun:
         self.gathers: list[tuple[Pending, Tensor, list[tuple[int, int, Part]]]] = []
         self.results: dict[int, Tensor] = {}  # split index -> my shard's direction (storage shape)
         self.on_owner: dict[int, bool] = {}
+        self.scales: dict[int, float] = {}  # per split: what receivers multiply its result by (this run)
 
     # -- stage 1 -------------------------------------------------------------------------------
 
@@ -278,10 +463,16 @@ class SplitRun:
         for dtype in self._dtypes(lambda i: self.updates[self._job(i).tensor].dtype):
             chosen = [i for i in range(len(self.plan.splits)) if self.updates[self._job(i).tensor].dtype == dtype]
             outgoing: list[list[Tensor]] = [[] for _ in range(self.comm.world_size)]
-            for i in chosen:
-                local = self.updates[self._job(i).tensor]
-                for rank, (piece, part) in self.schedule.sends[i]:
-                    outgoing[rank].append(_read(local, piece, part))
+            flat = _views(self.schedule.flat.sends, self.updates)
+            if flat is not None:  # each part's ranges in order: what its flat data concatenates
+                for view, (i, rank) in zip(flat, self.schedule.flat.send_to, strict=True):
+                    if i in chosen:
+                        outgoing[rank].append(view)
+            else:
+                for i in chosen:
+                    local = self.updates[self._job(i).tensor]
+                    for rank, (piece, part) in self.schedule.sends[i]:
+                        outgoing[rank].append(_read(local, piece, part))
             expected = [
                 (rank, i, item)
                 for i in chosen
@@ -305,19 +496,24 @@ class SplitRun:
             if member is not None:
                 self.results[i] = self._direction(i, split, member, received, moments)
 
-    def _received(self) -> dict[tuple[int, Piece], Tensor]:
-        """The received parts of my shards, by (split, source piece)."""
-        out: dict[tuple[int, Piece], Tensor] = {}
+    def _received(self) -> dict[tuple[int, Piece], list[Tensor]]:
+        """The received parts of my shards, by (split, source piece): each cut as its shard's
+        flat form cuts it (:attr:`_Flat.incoming`), else whole; one ``split`` per buffer."""
+        out: dict[tuple[int, Piece], list[Tensor]] = {}
+        cut = self.schedule.flat.incoming
         for pending, buffer, expected in self.gathers:
             pending.wait()
-            offset = 0  # the buffer holds each source rank's parts in turn, each in sending order
-            for _, i, (piece, part) in expected:
-                out[(i, piece)] = buffer[offset : offset + part.numel]
-                offset += part.numel
+            # the buffer holds each source rank's parts in turn, each in sending order
+            sizes = [cut.get((i, piece), ((0, part.numel),)) for _, i, (piece, part) in expected]
+            views = torch.split(buffer, [b for ranges in sizes for _, b in ranges]) if expected else ()
+            n = 0
+            for (_, i, (piece, _)), ranges in zip(expected, sizes, strict=True):
+                out[(i, piece)] = list(views[n : n + len(ranges)])
+                n += len(ranges)
         self.gathers = []
         return out
 
-    def _shard(self, i: int, split: Split, member: _Member, received: dict[tuple[int, Piece], Tensor]) -> Tensor:
+    def _shard(self, i: int, split: Split, member: _Member, received: dict[tuple[int, Piece], list[Tensor]]) -> Tensor:
         job = self.plan.jobs[split.job]
         local = self.updates[job.tensor]
         if member.view is not None:
@@ -328,6 +524,14 @@ class SplitRun:
                 return view[where].view(member.shard.shape)
             return view.narrow(split.dim, where.start, where.stop - where.start)
         shard = local.new_empty(member.shard.shape)
+        cuts = self.schedule.flat.shards.get(i)
+        destinations = _views(cuts[0], [shard]) if cuts is not None else None
+        own = _views(cuts[1], self.updates) if cuts is not None else None
+        if destinations is not None and own is not None:  # one split per tensor, one batched copy
+            sources = own + [v for _, (piece, _) in member.incoming for v in received[(i, piece)]]
+            if sources:
+                torch._foreach_copy_(destinations, sources)
+            return shard
         copies = [  # one batched copy of every part
             pair
             for piece, part in member.own
@@ -336,7 +540,7 @@ class SplitRun:
         copies += [
             pair
             for _, (piece, part) in member.incoming
-            for pair in shifted(part, member.shard, split.dim, job.shape).copies(shard, received[(i, piece)])
+            for pair in shifted(part, member.shard, split.dim, job.shape).copies(shard, received[(i, piece)][0])
         ]
         if copies:
             torch._foreach_copy_([d for d, _ in copies], [s for _, s in copies])
@@ -347,7 +551,7 @@ class SplitRun:
         i: int,
         split: Split,
         member: _Member,
-        received: dict[tuple[int, Piece], Tensor],
+        received: dict[tuple[int, Piece], list[Tensor]],
         moments: Moments | None,
     ) -> Tensor:
         """My shard of the job's direction (storage orientation, update dtype; scaled where the wire
@@ -415,14 +619,21 @@ class SplitRun:
         """Send each rank its parts of my shards' results, receive mine, write them into ``out``
         (batched: one copy of every part, then one multiply per scale, as owned jobs' writes)."""
         writes = _Writes()
-        for i, split in enumerate(self.plan.splits):
-            member = self.schedule.members[i]
-            if member is None:
-                continue
-            job = self.plan.jobs[split.job]
-            for piece, part in member.writes:
-                data = shifted(part, member.shard, split.dim, job.shape).read(self.results[i])
-                self._write(i, piece, part, data, out, writes)
+        flat = self.schedule.flat.writes
+        destinations = _views(flat[0], out) if flat is not None else None
+        sources = _views(flat[1], self.results) if flat is not None else None
+        if flat is not None and destinations is not None and sources is not None:
+            for i, destination, source in zip(flat[2], destinations, sources, strict=True):
+                writes.add([(destination, source)], self._scale(i))
+        else:
+            for i, split in enumerate(self.plan.splits):
+                member = self.schedule.members[i]
+                if member is None:
+                    continue
+                job = self.plan.jobs[split.job]
+                for piece, part in member.writes:
+                    data = shifted(part, member.shard, split.dim, job.shape).read(self.results[i])
+                    self._write(i, piece, part, data, out, writes)
         if any(s.returns for s in self.plan.splits):
             self._returns(out, writes)
         writes.apply()
@@ -434,38 +645,71 @@ class SplitRun:
         for wire in self._dtypes(lambda i: wire_dtype(self.config, like_of[i])):
             chosen = [i for i in range(len(self.plan.splits)) if wire_dtype(self.config, like_of[i]) == wire]
             outgoing: list[list[Tensor]] = [[] for _ in range(self.comm.world_size)]
-            for i in chosen:
-                member = self.schedule.members[i]
-                if member is None:
-                    continue
-                job = self.plan.jobs[self.plan.splits[i].job]
-                for rank, (_, part) in member.outgoing:
-                    region = shifted(part, member.shard, self.plan.splits[i].dim, job.shape)
-                    outgoing[rank].append(region.read(self.results[i]).to(wire))
+            results = {i: r.to(wire) for i, r in self.results.items()}  # one conversion per shard
+            flat = _views(self.schedule.flat.outgoing, results)
+            if flat is not None:  # each part's ranges in order: what its flat data concatenates
+                for view, (i, rank) in zip(flat, self.schedule.flat.outgoing_to, strict=True):
+                    if i in chosen:
+                        outgoing[rank].append(view)
+            else:
+                for i in chosen:
+                    member = self.schedule.members[i]
+                    if member is None:
+                        continue
+                    job = self.plan.jobs[self.plan.splits[i].job]
+                    for rank, (_, part) in member.outgoing:
+                        region = shifted(part, member.shard, self.plan.splits[i].dim, job.shape)
+                        outgoing[rank].append(region.read(results[i]))
             expected = sorted(
-                ((rank, i, item) for i in chosen for rank, item in self.schedule.receives[i]), key=lambda e: e[0]
+                ((rank, i, k, item) for i in chosen for k, (rank, item) in enumerate(self.schedule.receives[i])),
+                key=lambda e: e[0],
             )
             incoming = [0] * self.comm.world_size
-            for rank, _, (_, part) in expected:
+            for rank, _, _, (_, part) in expected:
                 incoming[rank] += part.numel
             pending, buffer = self.exchange(outgoing, incoming, like=like_of[chosen[0]], dtype=wire)
             pending.wait()
-            offset = 0
-            for _, i, (piece, part) in expected:
-                self._write(i, piece, part, buffer[offset : offset + part.numel], out, writes)
-                offset += part.numel
+            self._write_received(expected, buffer, out, writes)
+
+    def _write_received(
+        self, expected: list[tuple[int, int, int, Part]], buffer: Tensor, out: Sequence[Tensor], writes: _Writes
+    ) -> None:
+        """The received parts of results (``expected``: in buffer order) into ``out``: one ``split`` of
+        the buffer and of each update where every part has a flat form."""
+        flat = self.schedule.flat.receives
+        destinations = _views(flat[0], out) if flat is not None else None
+        if flat is None or destinations is None:
+            parts = torch.split(buffer, [part.numel for _, _, _, (_, part) in expected]) if expected else ()
+            for (_, i, _, (piece, part)), data in zip(expected, parts, strict=True):
+                self._write(i, piece, part, data, out, writes)
+            return
+        where = [flat[1][(i, k)] for _, i, k, _ in expected]
+        views = torch.split(buffer, [b for _, sizes in where for _, b in sizes]) if expected else ()
+        n = 0
+        for (_, i, _, _), (first, sizes) in zip(expected, where, strict=True):
+            scale = self._scale(i)
+            for m in range(len(sizes)):
+                writes.add([(destinations[first + m], views[n + m])], scale)
+            n += len(sizes)
 
     def _write(self, i: int, piece: Piece, part: Region, data: Tensor, out: Sequence[Tensor], writes: _Writes) -> None:
         """Put flat ``data`` (``part`` of the job, storage order) into my receiver ``piece`` of ``out``,
         scaled unless the member did (a ``view.mul_`` after the copy, as owned jobs do), in ``writes``."""
         job = self.plan.jobs[self.plan.splits[i].job]
         view = _view(out[job.tensor], piece)
-        copies = within(piece.region, part).copies(view, data)
-        scale = 1.0
-        if not self._scaled(i):
-            (block,) = job.layout.blocks(job.shape)
-            scale = lr_scale(self.config.adjust_lr, block.rows, block.cols)
-        writes.add(copies, scale)
+        writes.add(within(piece.region, part).copies(view, data), self._scale(i))
+
+    def _scale(self, i: int) -> float:
+        """What a receiver multiplies split ``i``'s result by: 1 where the member scaled it."""
+        scale = self.scales.get(i)
+        if scale is None:
+            scale = 1.0
+            if not self._scaled(i):
+                job = self._job(i)
+                (block,) = job.layout.blocks(job.shape)
+                scale = lr_scale(self.config.adjust_lr, block.rows, block.cols)
+            self.scales[i] = scale
+        return scale
 
     def _scaled(self, i: int) -> bool:
         if i in self.on_owner:
