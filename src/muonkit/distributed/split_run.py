@@ -30,8 +30,8 @@ connection).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Protocol, cast
+from dataclasses import dataclass, field
+from typing import Any, Protocol, cast
 
 import torch
 from torch import Tensor
@@ -98,6 +98,8 @@ class _Schedule:
     """Per split: the parts of results sent to me: ``(member rank, (my receiver piece, part))``."""
     flat: _Flat
     """Where those parts lie as flat ranges (views by one split per tensor a step), where they do."""
+    memo: dict[Any, Any] = field(default_factory=dict)
+    """Each exchange's expected parts and sizes, by the splits it carries (made at the first step)."""
 
 
 Ranges = tuple[tuple[int, int], ...]
@@ -449,7 +451,7 @@ class SplitRun:
         self.comm, self.stats, self.plan, self.schedule = comm, stats, plan, plan_schedule
         self.exchange = exchange
         self.updates, self.config = updates, config
-        self.gathers: list[tuple[Pending, Tensor, list[tuple[int, int, Part]]]] = []
+        self.gathers: list[tuple[Pending, Tensor, list[tuple[int, int, int, Part]]]] = []
         self.results: dict[int, Tensor] = {}  # split index -> my shard's direction (storage shape)
         self.on_owner: dict[int, bool] = {}
         self.scales: dict[int, float] = {}  # per split: what receivers multiply its result by (this run)
@@ -473,18 +475,34 @@ class SplitRun:
                     local = self.updates[self._job(i).tensor]
                     for rank, (piece, part) in self.schedule.sends[i]:
                         outgoing[rank].append(_read(local, piece, part))
-            expected = [
-                (rank, i, item)
-                for i in chosen
-                if (member := self.schedule.members[i]) is not None
-                for rank, item in member.incoming
-            ]
-            incoming = [0] * self.comm.world_size
-            for rank, _, (_, part) in expected:
-                incoming[rank] += part.numel
+            expected, incoming = self._expected("gather", chosen)
             like = self.updates[self._job(chosen[0]).tensor]
             pending, buffer = self.exchange(outgoing, incoming, like=like, dtype=dtype)
-            self.gathers.append((pending, buffer, sorted(expected, key=lambda e: e[0])))
+            self.gathers.append((pending, buffer, expected))
+
+    def _expected(self, way: str, chosen: list[int]) -> tuple[list[tuple[int, int, int, Part]], list[int]]:
+        """An exchange's expected parts ``(source rank, split, index, part)`` in buffer order (by
+        source rank, stably) and the elements from each rank: the parts of ``chosen`` splits' shards
+        sent to me (``way="gather"``, index -1) or of their results (``"return"``, the index in the
+        split's receives). Computed at the first step, kept."""
+        key = (way, tuple(chosen))
+        known = self.schedule.memo.get(key)
+        if known is None:
+            if way == "gather":
+                parts = [
+                    (rank, i, -1, item)
+                    for i in chosen
+                    if (member := self.schedule.members[i]) is not None
+                    for rank, item in member.incoming
+                ]
+            else:
+                parts = [(rank, i, k, item) for i in chosen for k, (rank, item) in enumerate(self.schedule.receives[i])]
+            expected = sorted(parts, key=lambda e: e[0])
+            incoming = [0] * self.comm.world_size
+            for rank, _, _, (_, part) in expected:
+                incoming[rank] += part.numel
+            known = self.schedule.memo[key] = (expected, incoming)
+        return known
 
     # -- stage 2 -------------------------------------------------------------------------------
 
@@ -504,10 +522,15 @@ class SplitRun:
         for pending, buffer, expected in self.gathers:
             pending.wait()
             # the buffer holds each source rank's parts in turn, each in sending order
-            sizes = [cut.get((i, piece), ((0, part.numel),)) for _, i, (piece, part) in expected]
+            key = ("gather sizes", id(expected))  # expected: kept in the memo, as this
+            sizes = self.schedule.memo.get(key)
+            if sizes is None:
+                sizes = self.schedule.memo[key] = [
+                    cut.get((i, piece), ((0, part.numel),)) for _, i, _, (piece, part) in expected
+                ]
             views = torch.split(buffer, [b for ranges in sizes for _, b in ranges]) if expected else ()
             n = 0
-            for (_, i, (piece, _)), ranges in zip(expected, sizes, strict=True):
+            for (_, i, _, (piece, _)), ranges in zip(expected, sizes, strict=True):
                 out[(i, piece)] = list(views[n : n + len(ranges)])
                 n += len(ranges)
         self.gathers = []
@@ -660,13 +683,7 @@ class SplitRun:
                     for rank, (_, part) in member.outgoing:
                         region = shifted(part, member.shard, self.plan.splits[i].dim, job.shape)
                         outgoing[rank].append(region.read(results[i]))
-            expected = sorted(
-                ((rank, i, k, item) for i in chosen for k, (rank, item) in enumerate(self.schedule.receives[i])),
-                key=lambda e: e[0],
-            )
-            incoming = [0] * self.comm.world_size
-            for rank, _, _, (_, part) in expected:
-                incoming[rank] += part.numel
+            expected, incoming = self._expected("return", chosen)
             pending, buffer = self.exchange(outgoing, incoming, like=like_of[chosen[0]], dtype=wire)
             pending.wait()
             self._write_received(expected, buffer, out, writes)
@@ -683,14 +700,19 @@ class SplitRun:
             for (_, i, _, (piece, part)), data in zip(expected, parts, strict=True):
                 self._write(i, piece, part, data, out, writes)
             return
-        where = [flat[1][(i, k)] for _, i, k, _ in expected]
-        views = torch.split(buffer, [b for _, sizes in where for _, b in sizes]) if expected else ()
-        n = 0
-        for (_, i, _, _), (first, sizes) in zip(expected, where, strict=True):
-            scale = self._scale(i)
-            for m in range(len(sizes)):
-                writes.add([(destinations[first + m], views[n + m])], scale)
-            n += len(sizes)
+        key = ("return ranges", id(expected))  # expected: kept in the memo, as this
+        known = self.schedule.memo.get(key)
+        if known is None:  # per range, in buffer order: its size, where it goes, its split
+            where = [(i, flat[1][(i, k)]) for _, i, k, _ in expected]
+            known = self.schedule.memo[key] = (
+                [b for _, (_, sizes) in where for _, b in sizes],
+                [first + m for _, (first, sizes) in where for m in range(len(sizes))],
+                [i for i, (_, sizes) in where for _ in sizes],
+            )
+        sizes, into, splits = known
+        views = torch.split(buffer, sizes) if sizes else ()
+        for i, n, view in zip(splits, into, views, strict=True):
+            writes.add([(destinations[n], view)], self._scale(i))
 
     def _write(self, i: int, piece: Piece, part: Region, data: Tensor, out: Sequence[Tensor], writes: _Writes) -> None:
         """Put flat ``data`` (``part`` of the job, storage order) into my receiver ``piece`` of ``out``,
