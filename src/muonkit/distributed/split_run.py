@@ -428,6 +428,14 @@ class _Writes:
             if scale != 1.0:
                 self.scaled.setdefault(scale, []).append(destination)
 
+    def add_all(self, destinations: list[Tensor], sources: Sequence[Tensor], scales: Sequence[float]) -> None:
+        """``add`` of each ``(destinations[n], sources[n])`` with ``scales[n]``, in bulk."""
+        self.destinations += destinations
+        self.sources += sources
+        for destination, scale in zip(destinations, scales, strict=True):
+            if scale != 1.0:
+                self.scaled.setdefault(scale, []).append(destination)
+
     def apply(self) -> None:
         if self.destinations:
             torch._foreach_copy_(self.destinations, self.sources)
@@ -467,8 +475,9 @@ class SplitRun:
             outgoing: list[list[Tensor]] = [[] for _ in range(self.comm.world_size)]
             flat = _views(self.schedule.flat.sends, self.updates)
             if flat is not None:  # each part's ranges in order: what its flat data concatenates
+                picked = set(chosen)
                 for view, (i, rank) in zip(flat, self.schedule.flat.send_to, strict=True):
-                    if i in chosen:
+                    if i in picked:
                         outgoing[rank].append(view)
             else:
                 for i in chosen:
@@ -646,8 +655,8 @@ class SplitRun:
         destinations = _views(flat[0], out) if flat is not None else None
         sources = _views(flat[1], self.results) if flat is not None else None
         if flat is not None and destinations is not None and sources is not None:
-            for i, destination, source in zip(flat[2], destinations, sources, strict=True):
-                writes.add([(destination, source)], self._scale(i))
+            scale = {i: self._scale(i) for i in set(flat[2])}
+            writes.add_all(destinations, sources, [scale[i] for i in flat[2]])
         else:
             for i, split in enumerate(self.plan.splits):
                 member = self.schedule.members[i]
@@ -671,8 +680,9 @@ class SplitRun:
             results = {i: r.to(wire) for i, r in self.results.items()}  # one conversion per shard
             flat = _views(self.schedule.flat.outgoing, results)
             if flat is not None:  # each part's ranges in order: what its flat data concatenates
+                picked = set(chosen)
                 for view, (i, rank) in zip(flat, self.schedule.flat.outgoing_to, strict=True):
-                    if i in chosen:
+                    if i in picked:
                         outgoing[rank].append(view)
             else:
                 for i in chosen:
@@ -711,8 +721,8 @@ class SplitRun:
             )
         sizes, into, splits = known
         views = torch.split(buffer, sizes) if sizes else ()
-        for i, n, view in zip(splits, into, views, strict=True):
-            writes.add([(destinations[n], view)], self._scale(i))
+        scale = {i: self._scale(i) for i in set(splits)}
+        writes.add_all([destinations[n] for n in into], views, [scale[i] for i in splits])
 
     def _write(self, i: int, piece: Piece, part: Region, data: Tensor, out: Sequence[Tensor], writes: _Writes) -> None:
         """Put flat ``data`` (``part`` of the job, storage order) into my receiver ``piece`` of ``out``,
