@@ -411,6 +411,21 @@ def _views(cuts: Cuts | None, tensors: object) -> list[Tensor] | None:
     return None if cuts is None else cuts.views(tensors)
 
 
+def _to_ranks(
+    outgoing: list[list[Tensor]], views: list[Tensor] | None, to: Sequence[tuple[int, int]], chosen: list[int]
+) -> bool:
+    """Append each flat view (range ``n`` goes to ``to[n]``: its split, the rank) of the ``chosen``
+    splits to its rank's list, each part's ranges in order (what its flat data concatenates);
+    False where there are no views (then part by part)."""
+    if views is None:
+        return False
+    picked = set(chosen)
+    for view, (i, rank) in zip(views, to, strict=True):
+        if i in picked:
+            outgoing[rank].append(view)
+    return True
+
+
 class _Writes:
     """Copies into the updates, applied at once: ``torch._foreach_copy_`` (converting to the
     update's dtype), then ``torch._foreach_mul_`` per scale (the data is never written: it may be a
@@ -473,13 +488,9 @@ class SplitRun:
         for dtype in self._dtypes(lambda i: self.updates[self._job(i).tensor].dtype):
             chosen = [i for i in range(len(self.plan.splits)) if self.updates[self._job(i).tensor].dtype == dtype]
             outgoing: list[list[Tensor]] = [[] for _ in range(self.comm.world_size)]
-            flat = _views(self.schedule.flat.sends, self.updates)
-            if flat is not None:  # each part's ranges in order: what its flat data concatenates
-                picked = set(chosen)
-                for view, (i, rank) in zip(flat, self.schedule.flat.send_to, strict=True):
-                    if i in picked:
-                        outgoing[rank].append(view)
-            else:
+            if not _to_ranks(
+                outgoing, _views(self.schedule.flat.sends, self.updates), self.schedule.flat.send_to, chosen
+            ):
                 for i in chosen:
                     local = self.updates[self._job(i).tensor]
                     for rank, (piece, part) in self.schedule.sends[i]:
@@ -678,13 +689,9 @@ class SplitRun:
             chosen = [i for i in range(len(self.plan.splits)) if wire_dtype(self.config, like_of[i]) == wire]
             outgoing: list[list[Tensor]] = [[] for _ in range(self.comm.world_size)]
             results = {i: r.to(wire) for i, r in self.results.items()}  # one conversion per shard
-            flat = _views(self.schedule.flat.outgoing, results)
-            if flat is not None:  # each part's ranges in order: what its flat data concatenates
-                picked = set(chosen)
-                for view, (i, rank) in zip(flat, self.schedule.flat.outgoing_to, strict=True):
-                    if i in picked:
-                        outgoing[rank].append(view)
-            else:
+            if not _to_ranks(
+                outgoing, _views(self.schedule.flat.outgoing, results), self.schedule.flat.outgoing_to, chosen
+            ):
                 for i in chosen:
                     member = self.schedule.members[i]
                     if member is None:
