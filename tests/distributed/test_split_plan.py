@@ -142,10 +142,10 @@ def test_plans_are_deterministic() -> None:
 
 
 def test_flat_forms_cut_both_sides_of_a_copy_alike() -> None:
-    """A split run's copies as flat ranges (muonkit.distributed.split_run): a region of a 2-D storage
+    """A split run's copies as flat ranges (muonkit.distributed.split_schedule): a region of a 2-D storage
     is its rows' ranges (adjacent ones merged), and a copy's two sides are cut at every boundary
     of either, so that range n of one goes into range n of the other."""
-    from muonkit.distributed.split_run import _aligned, _ranges
+    from muonkit.distributed.split_schedule import _aligned, _ranges
 
     assert _ranges(Box((((0, 2),), ((1, 3),))), (4, 5)) is None  # columns of rows: one strided view instead
     assert _ranges(Box((((2, 3),), ((1, 3),))), (4, 5)) == ((11, 13),)

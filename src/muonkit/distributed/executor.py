@@ -49,7 +49,7 @@ from muonkit.distributed.planner import Plan, job_cost, make_plan, scale_of, wir
 from muonkit.distributed.schedule import Cuts, Exchange, Grid, GroupSchedule, rank_schedule
 from muonkit.distributed.split_plan import SplitCost, SplitPolicy
 from muonkit.distributed.split_run import SplitRun
-from muonkit.distributed.split_run import schedule as split_schedule
+from muonkit.distributed.split_schedule import schedule as split_schedule
 from muonkit.functional.lr_scaling import lr_scale
 from muonkit.functional.matrices import MatrixLayout
 from muonkit.functional.muon import NSOptions
