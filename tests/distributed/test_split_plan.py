@@ -147,7 +147,8 @@ def test_flat_forms_cut_both_sides_of_a_copy_alike() -> None:
     of either, so that range n of one goes into range n of the other."""
     from muonkit.distributed.split_schedule import _aligned, _ranges
 
-    assert _ranges(Box((((0, 2),), ((1, 3),))), (4, 5)) is None  # columns of rows: one strided view instead
+    assert _ranges(Box((((0, 2),), ((1, 3),))), (4, 5)) == ((1, 3), (6, 8))  # a few rows: a range each
+    assert _ranges(Box((((0, 9),), ((1, 3),))), (9, 5)) is None  # many rows: one strided view instead
     assert _ranges(Box((((2, 3),), ((1, 3),))), (4, 5)) == ((11, 13),)
     assert _ranges(Box((((0, 2), (2, 3)), ((0, 5),))), (4, 5)) == ((0, 15),)  # whole rows: one range
     assert _ranges(Box((((0, 1), (3, 4)), ((0, 5),))), (4, 5)) == ((0, 5), (15, 20))

@@ -64,9 +64,12 @@ class SplitSchedule:
 Ranges = tuple[tuple[int, int], ...]
 """Flat ranges of a tensor, in a part's storage order."""
 
+MAX_ROW_RANGES = 8
+"""A part of some columns of at most this many rows (a column cut of a row block) is a range per
+row; of more rows, one strided view (its region's copy) costs less."""
+
 MAX_SEGMENTS = 4096
-"""A part cut into more flat ranges than this is copied as a region (by its box); so is a block
-of some columns of several rows (a column cut), whose strided view is one copy."""
+"""A part cut into more flat ranges than this is copied as a region (by its box)."""
 
 
 @dataclass(frozen=True)
@@ -234,8 +237,8 @@ def _cuts(pieces: list[tuple[int, Ranges | None]]) -> Cuts | None:
 
 def _ranges(region: Region, shape: Sequence[int]) -> Ranges | None:
     """``region`` of a 2-D storage of ``shape`` (flat for a span) as flat ranges in its storage
-    order, adjacent ones merged: whole rows, or one row's columns; None for other shapes or
-    beyond :data:`MAX_SEGMENTS` ranges."""
+    order, adjacent ones merged: whole rows, or some columns of at most :data:`MAX_ROW_RANGES`
+    rows; None for other shapes or beyond :data:`MAX_SEGMENTS` ranges."""
     if isinstance(region, Span):
         return ((region.start, region.stop),)
     if len(region.runs) != 2 or len(shape) != 2:
@@ -243,9 +246,9 @@ def _ranges(region: Region, shape: Sequence[int]) -> Ranges | None:
     (rows, cols), width = region.runs, shape[1]
     if cols == ((0, width),):
         spans = [(a * width, b * width) for a, b in rows]
-    elif len(cols) == 1 and sum(b - a for a, b in rows) == 1:  # one row's columns
-        spans = [(a * width + cols[0][0], a * width + cols[0][1]) for a, _ in rows]
-    else:  # a block of columns: one strided view of it costs less than a range per row
+    elif sum(b - a for a, b in rows) * len(cols) <= MAX_ROW_RANGES:  # a few rows' columns: a range each
+        spans = [(r * width + c, r * width + d) for a, b in rows for r in range(a, b) for c, d in cols]
+    else:  # a block of columns of many rows: one strided view of it costs less than a range per row
         return None
     out: list[tuple[int, int]] = []
     for start, stop in spans:
