@@ -27,7 +27,7 @@ from torch import Tensor, nn
 import muonkit
 from muonkit.distributed import SingleDeviceStrategy
 from muonkit.functional import momentum_, muon_momentum_, muon_update
-from muonkit_bench.op_counts import as_on_an_accelerator
+from muonkit.testing import as_on_an_accelerator
 
 DIVERGING = [(10.0, 0.0, 0.0)] * 40  # X <- 10 X, 40 times: 1e40 overflows fp32 (and bf16)
 CUSTOM = [(3.4, -4.7, 2.0)]  # near Keller's: bounded, but not a preset's schedule

@@ -21,7 +21,7 @@ from torch import nn
 
 import muonkit
 from helpers import Tiny, tiny_loss
-from muonkit_bench.op_counts import as_on_an_accelerator
+from muonkit.testing import as_on_an_accelerator
 
 
 @pytest.fixture(params=["cpu", "accelerator"])

@@ -2,7 +2,7 @@
 
 A CUDA graph cannot be captured on the CPU machines the suite runs on; what it needs is checked
 here instead: no op of the step reads a tensor's value back to the host (counted by
-``muonkit_bench.op_counts`` on the path a GPU step takes), ``torch.compile(..., fullgraph=True)``
+``muonkit.testing.op_counts`` on the path a GPU step takes), ``torch.compile(..., fullgraph=True)``
 traces the whole step as one graph, and lr schedules write the group's tensors in place, so
 nothing recompiles. Results are
 compared with the plain step bit for bit: every operation of the capturable path rounds as its
@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 import muonkit
 from muonkit.distributed import Strategy
-from muonkit_bench.op_counts import as_on_an_accelerator, count_ops
+from muonkit.testing import as_on_an_accelerator, count_ops
 
 
 @contextmanager

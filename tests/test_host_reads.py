@@ -1,6 +1,6 @@
 """What a step asks of the device: blocking host reads and aten calls (kernel launches on a GPU).
 
-Counted on CPU with :class:`muonkit_bench.op_counts.OpCounter`, which treats every tensor as a
+Counted on CPU with :class:`muonkit.testing.op_counts.OpCounter`, which treats every tensor as a
 device tensor except the AdamW step counters (host tensors in a GPU run too). A default step
 reads the device once (the non-finite verdict, after every direction is launched), an unchecked
 step never; on GPT-2's hidden shapes a step makes no more aten calls than torch.optim.Muon.
@@ -19,7 +19,7 @@ import torch
 
 import muonkit
 from muonkit.distributed import SingleDeviceStrategy
-from muonkit_bench.op_counts import (
+from muonkit.testing import (
     GPT2_SCALE,
     OpCounter,
     as_on_an_accelerator,

@@ -1,4 +1,5 @@
-"""Imports flow one way: ``integrations, cli -> optimizer -> distributed -> functional -> torch``; nothing imports ``muonkit_bench``.
+"""Imports flow one way: ``integrations, cli -> optimizer -> distributed -> functional -> torch``; nothing imports ``muonkit_bench``
+but the benchmark tests, and ``muonkit.testing`` only tests and benchmarks.
 
 Read from the source (every ``import``, also those inside functions), so a lazy import that closes
 a circle is caught as well. Every module of ``muonkit`` and ``muonkit_bench`` is a node of one
@@ -133,6 +134,29 @@ def importers_of(prefix: str) -> list[str]:
 def test_the_library_never_imports_the_benchmark_suite() -> None:
     """muonkit_bench is a separate distribution (the ``bench`` extra): the CLI reaches it by name only."""
     assert importers_of("muonkit_bench") == []
+
+
+def test_only_tests_and_benchmarks_import_the_testing_tools() -> None:
+    """``muonkit.testing`` counts and measures; the optimizer never depends on it, and it reaches
+    nothing above the math (its switch flips a global of :mod:`muonkit.functional.orthogonalize`)."""
+    assert [m for m in importers_of("muonkit.testing") if not m.startswith("muonkit.testing")] == []
+    above = ("muonkit.optimizer", "muonkit.distributed", "muonkit.qk_clip", "muonkit.integrations", "muonkit.cli")
+    assert {
+        m: sorted(n for n in names if n.startswith(above))
+        for m, names in MODULES.items()
+        if m.startswith("muonkit.testing") and any(n.startswith(above) for n in names)
+    } == {}
+
+
+def test_library_tests_do_not_need_the_benchmark_suite() -> None:
+    """Only tests/bench imports muonkit_bench: the library's tests run without the ``bench`` extra."""
+    tests = Path(__file__).resolve().parent
+    importers = sorted(
+        str(p.relative_to(tests))
+        for p in tests.rglob("*.py")
+        if "bench" not in p.relative_to(tests).parts[:1] and any(n.startswith("muonkit_bench") for n in imports_of(p))
+    )
+    assert importers == []
 
 
 def test_nothing_imports_the_cli() -> None:

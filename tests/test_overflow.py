@@ -33,7 +33,7 @@ from torch import Tensor, nn
 import muonkit
 from muonkit.functional import overflow
 from muonkit.limits import exp_avg_limit, gradient_limit, param_limit
-from muonkit_bench.op_counts import as_on_an_accelerator
+from muonkit.testing import as_on_an_accelerator
 
 F32, F64, BF16 = torch.float32, torch.float64, torch.bfloat16
 EXAMPLES = settings().max_examples * 2  # 50 under the ci profile (~3 s)

@@ -1,6 +1,6 @@
 """The optimizer step's scratch memory against the documented bound, measured (not timed).
 
-Measured with :class:`muonkit_bench.live_bytes.LiveBytes` (peak bytes of the storages a block
+Measured with :class:`muonkit.testing.live_bytes.LiveBytes` (peak bytes of the storages a block
 allocates and holds) on the second step, when momentum exists. The bound, per chunk of ``E``
 elements (:meth:`SingleDeviceStrategy.muon_chunks`), all fp32: the chunk's momentum updates
 (``4E``), two copies for the iteration (``8E``) and per matrix four (Gram) or two (plain) ``m x m``
@@ -20,8 +20,7 @@ from muonkit.config import MuonConfig, group_config
 from muonkit.distributed import SingleDeviceStrategy
 from muonkit.distributed.single import CPU_CHUNK_ELEMENTS, default_chunk_elements
 from muonkit.functional.orthogonalize import uses_gram
-from muonkit_bench.live_bytes import LiveBytes
-from muonkit_bench.op_counts import as_on_an_accelerator
+from muonkit.testing import LiveBytes, as_on_an_accelerator
 
 F32 = 4
 CUSTOM = [(3.4, -4.7, 2.0)]  # near Keller's, not a preset's schedule

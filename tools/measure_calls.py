@@ -2,7 +2,7 @@
 
 GPT-2's four hidden matrices per block (c_attn 2304x768, attn c_proj 768x768, c_fc 3072x768, mlp
 c_proj 768x3072) at 1/8 size, fp32 params, ``muonkit.Muon`` against ``torch.optim.Muon``, one
-step after a warmup step, counted by :func:`muonkit_bench.op_counts.count_ops` (on the CPU it runs
+step after a warmup step, counted by :func:`muonkit.testing.op_counts.count_ops` (on the CPU it runs
 muonkit's accelerator path). The chunking decides the count, so chunks are emulated at the
 matrices' scale: the CPU's 2^22 elements over 8^2, and an 80 GB GPU's default (1/64 of its memory
 in fp32) over 8^2, where all matrices of one shape share a chunk. Run::
@@ -20,7 +20,7 @@ import torch
 
 import muonkit
 from muonkit.distributed import SingleDeviceStrategy
-from muonkit_bench.op_counts import GPT2_SCALE, OpCounts, count_ops, gpt2_hidden_params, step_tensors
+from muonkit.testing import GPT2_SCALE, OpCounts, count_ops, gpt2_hidden_params, step_tensors
 
 CHUNKS = {"cpu": 2**22 // GPT2_SCALE**2, "gpu": 80 * 2**30 // 256 // GPT2_SCALE**2}
 NS = {

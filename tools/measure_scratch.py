@@ -1,7 +1,7 @@
 """Measure one optimizer step's scratch memory on GPT-2 hidden-matrix shapes (not a test; issue 14).
 
 Scratch = the peak bytes of tensors the second step allocates above weights, gradients and
-momentum (:class:`muonkit_bench.live_bytes.LiveBytes`). Only each block's four Muon matrices
+momentum (:class:`muonkit.testing.live_bytes.LiveBytes`). Only each block's four Muon matrices
 (c_attn 3d x d, attn c_proj d x d, c_fc 4d x d, mlp c_proj d x 4d), fp32 params and gradients.
 ``--layers`` caps the block count to keep the run short: enough layers fill every chunk, so
 ``unchecked``, ``skip`` (the CPU's path), ``skip-accel`` (an accelerator's masked path, run on
@@ -21,8 +21,7 @@ import time
 import torch
 
 import muonkit
-from muonkit_bench.live_bytes import LiveBytes
-from muonkit_bench.op_counts import as_on_an_accelerator
+from muonkit.testing import LiveBytes, as_on_an_accelerator
 
 MODELS = {"124m": (768, 12), "350m": (1024, 24), "774m": (1280, 36)}
 MIB = 2**20

@@ -10,7 +10,7 @@ Measured on each rank and merged on rank 0:
   clip, the client optimizer, parameter all-gather); ``iter_s``: the whole step (all micro-
   batches). DeepSpeed's built-in Muon does its Newton-Schulz inside the gradient reduction, in
   the backward pass, so only ``iter_s`` compares it fairly.
-- bytes and collectives (:class:`muonkit_bench.dist_counters.StepCounter`, which sees every c10d
+- bytes and collectives (:class:`muonkit.testing.dist_counters.StepCounter`, which sees every c10d
   op DeepSpeed and muonkit issue), counted on one extra step: in forward/backward (gradient
   reduction) and in ``engine.step()``; also matmul FLOPs of the whole step (model + Newton-Schulz).
 - optimizer state bytes on the rank (the client optimizer's ``state``; fp32 master weights and
@@ -165,7 +165,7 @@ def _val_loss(engine: Any, corpus: Any, args: argparse.Namespace) -> float:
 
 def _count(engine: Any, micro: Any, args: argparse.Namespace) -> dict[str, Any]:
     """One more step under StepCounter: forward/backward and the optimizer step counted apart."""
-    from muonkit_bench.dist_counters import StepCounter
+    from muonkit.testing import StepCounter
 
     with StepCounter() as backward:
         for m in range(args.ga):

@@ -203,7 +203,7 @@ def _measure(layout: str, name: str, args: argparse.Namespace) -> dict[str, Any]
     import torch
     import torch.distributed as dist
 
-    from muonkit_bench.dist_counters import StepCounter
+    from muonkit.testing import StepCounter
     from muonkit_bench.memory_probe import reset_peak, rss_bytes
 
     wrapped, opt, groups, where = _build(layout, name, args)

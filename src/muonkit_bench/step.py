@@ -13,10 +13,10 @@ orthogonalization of the first step, on one matrix of each shape::
 
 (at step one every method's momentum update is a multiple of the gradient, so all of them
 orthogonalize the same matrix). Beside them, what one step (after the warmup) asks of the device,
-counted by :mod:`muonkit_bench.op_counts`: ``calls``, its aten ops (about one kernel launch each
+counted by :mod:`muonkit.testing.op_counts`: ``calls``, its aten ops (about one kernel launch each
 on a GPU), and ``reads``, its blocking device-to-host reads; and the step's scratch memory: the
 peak bytes of the tensors an untimed second step allocates above weights, gradients and state
-(:mod:`muonkit_bench.live_bytes`). A second table runs HybridMuon with each coefficient preset and
+(:mod:`muonkit.testing.live_bytes`). A second table runs HybridMuon with each coefficient preset and
 step count. Example::
 
     muonkit bench step                       # GPT-2-124M shapes and the benchmark GPT
@@ -158,7 +158,7 @@ class Harness:
         then time ``repeats`` steps."""
         import torch
 
-        from muonkit_bench.live_bytes import LiveBytes
+        from muonkit.testing import LiveBytes
 
         self.reset()
         opt = build(self.groups())
@@ -194,8 +194,8 @@ class Harness:
         return {**summary, "errors": errors, **_error_summary(errors)}
 
     def count(self, opt: Any) -> dict[str, int | None]:
-        """One step under :class:`muonkit_bench.op_counts.OpCounter`: its aten calls and blocking reads."""
-        from muonkit_bench.op_counts import count_ops, step_tensors
+        """One step under :class:`muonkit.testing.op_counts.OpCounter`: its aten calls and blocking reads."""
+        from muonkit.testing import count_ops, step_tensors
 
         try:
             counts = count_ops(opt.step, host=lambda: step_tensors(opt), device=self.device)

@@ -42,7 +42,7 @@ from muonkit.config import MuonConfig, group_config
 from muonkit.functional.matrices import MatrixLayout
 from muonkit.functional.muon import muon_directions
 from muonkit.functional.orthogonalize import default_compute_dtype
-from muonkit_bench.dist_counters import StepCounter
+from muonkit.testing import StepCounter
 
 NAIVE = os.environ.get("MUONKIT_MESH_NAIVE") == "1"
 QKV_SPLIT = (4, 8)  # Q rows 0-3, KV rows 4-11: TP over 2 cuts at row 6, inside the second block

@@ -37,7 +37,7 @@ from torch import nn
 
 import muonkit
 from muonkit.distributed import collectives
-from muonkit_bench.op_counts import as_on_an_accelerator, count_ops, step_tensors
+from muonkit.testing import as_on_an_accelerator, count_ops, step_tensors
 
 LAYOUTS = ("ddp", "fsdp", "zero")
 ZERO_SHAPES = [(6, 5), (0, 8), (4, 4), (8, 0), (3, 4)]  # straddling and zero-size params

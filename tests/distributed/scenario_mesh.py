@@ -46,7 +46,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 import muonkit
-from muonkit_bench.op_counts import count_ops, step_tensors
+from muonkit.testing import count_ops, step_tensors
 
 STEPS = 4
 INF_STEP = 2  # an inf in one rank's gradient: every rank must skip the step

@@ -153,7 +153,7 @@ def test_a_distributed_step_reads_the_device_at_most_once(one_rank_group: str, n
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from muonkit_bench.op_counts import count_ops, step_tensors
+    from muonkit.testing import count_ops, step_tensors
 
     device = one_rank_group
     torch.manual_seed(0)

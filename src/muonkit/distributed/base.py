@@ -178,7 +178,7 @@ class Strategy(ABC):
         """The tensors of this strategy's latest checks that live in host memory on any device.
 
         Reading them makes the host wait for no device work (for counting reads in a CPU run that
-        stands in for a device run: :mod:`muonkit_bench.op_counts`). Default: none.
+        stands in for a device run: :mod:`muonkit.testing.op_counts`). Default: none.
         """
         return []
 
