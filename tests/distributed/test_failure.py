@@ -7,6 +7,7 @@ that complete when told. The launched checks are in ``scenario_failure.py``.
 from __future__ import annotations
 
 import datetime
+import itertools
 import threading
 import time
 from typing import Any
@@ -19,12 +20,16 @@ from muonkit.distributed.base import StrategyStats
 from muonkit.distributed.collectives import Collectives
 from muonkit.distributed.failure import FailureChannel, RankFailedError, every_rank
 
+_NAMES = itertools.count()
+
 
 class Group:
-    """What a channel asks of a process group: its store and its sequence number."""
+    """What a channel asks of a process group: its store, its sequence number and its name (the same
+    on every rank: the simulated ranks of one test share one, and no other test's)."""
 
-    def __init__(self, store: Any) -> None:
+    def __init__(self, store: Any, name: str | None = None) -> None:
         self.store = store
+        self.group_name = name if name is not None else f"stub-{id(store)}-{next(_NAMES)}"
 
     def get_group_store(self) -> Any:
         return self.store
@@ -64,8 +69,18 @@ class Work:
         return self.done.is_set()
 
 
+class CompletesOnThirdWait(Work):
+    """A collective whose other ranks arrive during this rank's third wait (whatever the machine's load)."""
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        if len(self.waits) >= 2:
+            self.done.set()
+        return super().wait(timeout)
+
+
 def _ranks(store: Any, world_size: int = 2) -> list[FailureChannel]:
-    return [FailureChannel(Group(store), rank, world_size) for rank in range(world_size)]
+    group = Group(store)  # one group, as every rank of a real one sees it
+    return [FailureChannel(group, rank, world_size) for rank in range(world_size)]
 
 
 def test_a_wait_that_completes_within_its_first_slice_reads_nothing() -> None:
@@ -151,8 +166,8 @@ def test_the_next_optimizer_on_the_group_does_not_read_a_step_every_rank_failed(
     collective without reading that failure (CI: a refused layout, then the next scenario's
     optimizer raised RankFailedError naming the refused layout's error)."""
     store = dist.HashStore()
-    groups = [Group(store), Group(store)]
-    first = [FailureChannel(g, rank, 2) for rank, g in enumerate(groups)]
+    group = Group(store)
+    first = [FailureChannel(group, rank, 2) for rank in range(2)]
     threads = [
         threading.Thread(target=r.failed, args=(ValueError("unsupported layout"),), kwargs={"applied": False})
         for r in first
@@ -161,12 +176,11 @@ def test_the_next_optimizer_on_the_group_does_not_read_a_step_every_rank_failed(
         t.start()
     for t in threads:
         t.join()
-    waiting, _ = (FailureChannel(g, rank, 2) for rank, g in enumerate(groups))
+    waiting, _ = (FailureChannel(group, rank, 2) for rank in range(2))
     waiting.begin()
-    work = Work()
-    threading.Timer(0.1, work.done.set).start()  # the other rank arrives after a few slices
+    work = CompletesOnThirdWait()  # the other rank arrives after two slices, each followed by a read
     waiting.wait(work, waiting.issue())
-    assert work.is_completed() and len(work.waits) >= 2 and waiting.out_of_step is None
+    assert work.is_completed() and len(work.waits) == 3 and waiting.out_of_step is None
 
 
 def test_errors_every_rank_raises_alike_and_waiting_ranks_write_nothing() -> None:

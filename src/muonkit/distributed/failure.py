@@ -141,7 +141,7 @@ class FailureChannel:
         self._store = _store_of(self._group)
         self._prefix = f"{_PREFIX}/{_incarnation()}"
         self._out_of_step_key = f"{self._prefix}/out_of_step"
-        self._counter = _group_id(self._group)
+        self._counter = (_group_id(self._group), rank)  # one rank per group in a process; tests simulate several
         self._key: str | None = None  # the open step's key
         self.issued = 0
         """How many collectives this rank issued in the open step (counted by ``Collectives``: every
@@ -332,7 +332,8 @@ def _incarnation() -> str:
 
 
 def _group_id(group: Any) -> Any:
-    """What names ``group`` alike on every rank (its name; a stand-in without one: the object)."""
+    """What names ``group`` alike on every rank (its name; a stand-in without one: the object, kept
+    alive by its channel, so its id is not reused while the channel counts under it)."""
     name = getattr(group, "group_name", None)
     return ("name", name) if isinstance(name, str) else ("object", id(group))
 
