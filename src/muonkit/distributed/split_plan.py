@@ -170,13 +170,19 @@ def split_dim(job: Job) -> int | None:
     return dim
 
 
+def _element_bytes(dtype: torch.dtype | None) -> tuple[int, int]:
+    """Bytes of an element of a shard's Gram sums (fp32, fp64 for fp64) and of its gathered blocks of
+    ``P`` (the compute dtype; None: fp32)."""
+    wide = 8 if dtype == torch.float64 else 4
+    return wide, wide if dtype in (None, torch.float32, torch.float64) else 2
+
+
 def _shape_cost(job: Job, dim: int, parts: int, cost: SplitCost) -> tuple[int, bool, float]:
     """(FLOPs of the busiest shard, by rows, its time in FLOPs with the collectives) of ``parts``
     shards, in the faster form: ``P`` replicated or by rows (see :mod:`muonkit.functional.sharded`)."""
     n, m = job.shape[dim], job.shape[1 - dim]
     width, rows = -(-n // parts), len(p_rows(m, parts, 0))
-    wide = 8 if cost.dtype == torch.float64 else 4
-    narrow = wide if cost.dtype in (None, torch.float32, torch.float64) else 2
+    wide, narrow = _element_bytes(cost.dtype)
     policy = cost.policy
     forms = []
     for by_rows in (False, True):
@@ -531,8 +537,7 @@ def split_traffic(
             move(split.ranks[k], piece.rank, numel * wire_bytes)
     g, m, n = len(split.ranks), shape[1 - dim], shape[dim]
     sums, gathers = shard_collectives(m, n, cost.steps, method=cost.method, dtype=cost.dtype, by_rows=split.by_rows)
-    wide = 8 if cost.dtype == torch.float64 else 4
-    narrow = wide if cost.dtype in (None, torch.float32, torch.float64) else 2
+    wide, narrow = _element_bytes(cost.dtype)
     ring = 2 * (g - 1) / g  # of the summed bytes, sent (and received) by each member of a ring
     for k, rank in enumerate(split.ranks):
         per_step = round(ring * 8 * norm_sum_numel(cost.dtype)) + sums * round(

@@ -108,14 +108,11 @@ class _Writes:
         self.scaled: dict[float, list[Tensor]] = {}
 
     def add(self, copies: list[tuple[Tensor, Tensor]], scale: float) -> None:
-        for destination, source in copies:
-            self.destinations.append(destination)
-            self.sources.append(source)
-            if scale != 1.0:
-                self.scaled.setdefault(scale, []).append(destination)
+        """Each ``(destination, source)`` of ``copies``, scaled by ``scale``."""
+        self.add_all([d for d, _ in copies], [s for _, s in copies], [scale] * len(copies))
 
     def add_all(self, destinations: list[Tensor], sources: Sequence[Tensor], scales: Sequence[float]) -> None:
-        """``add`` of each ``(destinations[n], sources[n])`` with ``scales[n]``, in bulk."""
+        """Each ``(destinations[n], sources[n])``, scaled by ``scales[n]``."""
         self.destinations += destinations
         self.sources += sources
         for destination, scale in zip(destinations, scales, strict=True):
@@ -217,13 +214,13 @@ class SplitRun:
             sizes = self.schedule.memo.get(key)
             if sizes is None:
                 sizes = self.schedule.memo[key] = [
-                    cut.get((i, piece), ((0, part.numel),)) for _, i, _, (piece, part) in expected
+                    cut.get((i, piece), (part.numel,)) for _, i, _, (piece, part) in expected
                 ]
-            views = torch.split(buffer, [b for ranges in sizes for _, b in ranges]) if expected else ()
+            views = torch.split(buffer, [n for part in sizes for n in part]) if expected else ()
             n = 0
-            for (_, i, _, (piece, _)), ranges in zip(expected, sizes, strict=True):
-                out[(i, piece)] = list(views[n : n + len(ranges)])
-                n += len(ranges)
+            for (_, i, _, (piece, _)), part in zip(expected, sizes, strict=True):
+                out[(i, piece)] = list(views[n : n + len(part)])
+                n += len(part)
         self.gathers = []
         return out
 
@@ -359,7 +356,8 @@ class SplitRun:
         for wire in self._dtypes(lambda i: wire_dtype(self.config, like_of[i])):
             chosen = [i for i in range(len(self.plan.splits)) if wire_dtype(self.config, like_of[i]) == wire]
             outgoing: list[list[Tensor]] = [[] for _ in range(self.comm.world_size)]
-            results = {i: r.to(wire) for i, r in self.results.items()}  # one conversion per shard
+            picked = set(chosen)  # one conversion per shard sent at this wire dtype (the others: not read)
+            results = {i: r.to(wire) if i in picked else r for i, r in self.results.items()}
             if not _to_ranks(
                 outgoing, _views(self.schedule.flat.outgoing, results), self.schedule.flat.outgoing_to, chosen
             ):
@@ -393,7 +391,7 @@ class SplitRun:
         if known is None:  # per range, in buffer order: its size, where it goes, its split
             where = [(i, flat[1][(i, k)]) for _, i, k, _ in expected]
             known = self.schedule.memo[key] = (
-                [b for _, (_, sizes) in where for _, b in sizes],
+                [n for _, (_, sizes) in where for n in sizes],
                 [first + m for _, (first, sizes) in where for m in range(len(sizes))],
                 [i for i, (_, sizes) in where for _ in sizes],
             )

@@ -89,7 +89,7 @@ class FlatForms:
     shards: dict[int, tuple[Cuts, Cuts]]
     """Per split whose shard I assemble: where its own then received parts go in the shard (key 0),
     and where the own ones are in my updates."""
-    incoming: dict[tuple[int, Piece], Ranges]
+    incoming: dict[tuple[int, Piece], tuple[int, ...]]
     """Per received part of a shard (split, source piece): the sizes its buffer part is cut into."""
     outgoing: Cuts | None
     """My shards' result parts for other ranks, in (split, outgoing) order."""
@@ -98,7 +98,7 @@ class FlatForms:
     writes: tuple[Cuts, Cuts, tuple[int, ...]] | None
     """Parts of my shards' results I keep: where they go in ``out``, where they are in the results,
     each range's split."""
-    receives: tuple[Cuts, dict[tuple[int, int], tuple[int, Ranges]]] | None
+    receives: tuple[Cuts, dict[tuple[int, int], tuple[int, tuple[int, ...]]]] | None
     """Received result parts: where they go in ``out`` (in (split, receive) order), and per part
     (split, its index in the split's receives): its first range there and the sizes its buffer
     part is cut into."""
@@ -179,7 +179,7 @@ def _flat_forms(
         for k, (_, (piece, part)) in enumerate(r)
     ]
     received_cuts = _cuts([(t, r) for _, t, r in into])
-    where: dict[tuple[int, int], tuple[int, Ranges]] = {}
+    where: dict[tuple[int, int], tuple[int, tuple[int, ...]]] = {}
     first = 0
     for key, _, r in into if received_cuts is not None else []:
         where[key] = (first, _sizes(cast(Ranges, r)))
@@ -196,9 +196,9 @@ def _flat_forms(
     )
 
 
-def _sizes(ranges: Ranges) -> Ranges:
-    """Each range as ``(0, its size)``."""
-    return tuple((0, b - a) for a, b in ranges)
+def _sizes(ranges: Ranges) -> tuple[int, ...]:
+    """Each range's size."""
+    return tuple(b - a for a, b in ranges)
 
 
 def _aligned(dst: Ranges | None, src: Ranges | None) -> tuple[Ranges, Ranges] | None:
