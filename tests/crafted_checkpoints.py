@@ -1,6 +1,6 @@
 """Crafted DCP checkpoint files: payloads a full unpickler would run, for the loader's refusal tests.
 
-Used by ``tests/test_checkpoint_files.py`` (one device) and ``tests/distributed/scenario_checkpoint.py``
+Used by ``tests/checkpoints/test_checkpoint_files.py`` (one device) and ``tests/distributed/scenario_checkpoint.py``
 (2 ranks). Every craft edits a checkpoint directory in place; the payload, when unpickled,
 creates the directory ``marker`` (and does nothing else).
 """

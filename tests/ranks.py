@@ -1,6 +1,6 @@
 """Start W local ranks of a test worker script on CPU with gloo, and collect what each check reported.
 
-Used by the distributed suite (``tests/distributed``) and the DeepSpeed suite (``tests/deepspeed``):
+Used by the distributed suite (``tests/distributed``) and the DeepSpeed suite (``tests/deepspeed_engine``):
 one launch runs many checks in one process group, so starting Python, importing torch and forming
 the group are paid once. Each rank writes ``results_rank{r}.json`` (``{check: traceback or None}``)
 after every check and logs to ``rank{r}.log``, whose tail is shown when something fails.

@@ -60,7 +60,7 @@ def response(
     """f(s_i) for the singular values s_i >= min_relative * ||x||_F, and the top singular value of o.
 
     Newton-Schulz is an odd matrix polynomial, so for x = P S Q^T the output is P f(S) Q^T and
-    f(s_i) is the diagonal of P^T o Q (tests/test_orthogonalize.py). ``svd``: x's
+    f(s_i) is the diagonal of P^T o Q (tests/numerics/test_orthogonalize.py). ``svd``: x's
     :func:`decompose`, when several outputs are read against the same x.
     """
     p, s, qt, norm = decompose(x) if svd is None else svd

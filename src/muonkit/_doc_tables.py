@@ -9,7 +9,7 @@
 
 Each table sits in the README between ``<!-- generated: NAME ... -->`` and ``<!-- end: NAME -->``;
 ``python -m muonkit._doc_tables`` rewrites them in place, ``--check`` only says whether they are
-stale (``tests/test_defaults.py`` fails on a stale README).
+stale (``tests/contract/test_defaults.py`` fails on a stale README).
 """
 
 from __future__ import annotations

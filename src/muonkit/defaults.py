@@ -2,7 +2,7 @@
 
 A keyword is one field of :class:`Defaults`: its default, what it sets (``what``) and why the
 default is what it is (``why``). Everything else is derived from these fields: the optimizer's
-signature is checked against them (``tests/test_defaults.py``), the DeepSpeed config's keys
+signature is checked against them (``tests/contract/test_defaults.py``), the DeepSpeed config's keys
 (:class:`muonkit.integrations.deepspeed_config.MuonkitOptions`) and torchtitan's ``Config`` get a
 field per keyword (:func:`with_default_fields`), the Hugging Face ``make_optimizer`` passes them
 on, and the README's tables are generated from them (``python -m muonkit._doc_tables``).

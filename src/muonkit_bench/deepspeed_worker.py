@@ -85,9 +85,9 @@ def worker(args: argparse.Namespace) -> int:
 
 
 def _engine(stage: int, method: str, args: argparse.Namespace) -> Any:
+    import deepspeed
     import torch
 
-    import deepspeed
     from muonkit.integrations import deepspeed as mk_ds
     from muonkit_bench.model import GPT, GPTConfig
 

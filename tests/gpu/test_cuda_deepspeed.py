@@ -1,6 +1,6 @@
 """DeepSpeed ZeRO-2 with muonkit on one GPU against the single-device reference.
 
-The model, data, config and reference are tests/deepspeed/ds_common.py's (there run on 2 CPU
+The model, data, config and reference are tests/deepspeed_engine/ds_common.py's (there run on 2 CPU
 ranks with gloo): 3 optimizer steps of 2 accumulated micro-batches, gradient clipping active,
 weight decay, Newton-Schulz in float64 on both sides. Tolerance: 1e-3 relative error of each
 tensor's total update (the CPU ranks hold 1e-4, measured 3e-6; here the forward and backward run
@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "deepspeed"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "deepspeed_engine"))
 
 STEPS = 3
 

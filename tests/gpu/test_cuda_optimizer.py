@@ -2,15 +2,15 @@
 on a one-rank mesh, and the capturable step under CUDA-graph capture.
 
 Tolerances, and why (the problem, its 30 closed-loop steps and the reference are
-tests/test_hybrid_muon.py's):
+tests/numerics/test_hybrid_muon.py's):
 - params and Newton-Schulz in float64 on the GPU: 1e-9 absolute on every weight and state (the
   CPU test holds 1e-10; cuBLAS orders its float64 reductions differently, 10x margin).
 - fp32 params and Newton-Schulz: 1e-4 relative to the distance travelled (CPU measured 4.5e-6).
 - the default compute dtype (bf16 on every GPU with bf16): 3% (plain iteration) and 6% (``"gram"``)
-  relative to the distance travelled, as on a CPU with fast bf16 (tests/test_hybrid_muon.py).
+  relative to the distance travelled, as on a CPU with fast bf16 (tests/numerics/test_hybrid_muon.py).
 - bf16 params with fp32 Newton-Schulz: 6%, as on the CPU (bf16 storage rounding).
 - FSDP2 on a one-rank mesh against a plain HybridMuon, fp32 Newton-Schulz: rtol 1e-5, atol 1e-6
-  (the same math, batched differently), as tests/test_stack_torchtitan.py.
+  (the same math, batched differently), as tests/stacks/test_stack_torchtitan.py.
 - the CUDA-graph replay against the plain step: rtol 1e-5, atol 1e-6 (fp32; the same kernels).
 """
 
@@ -19,7 +19,9 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,6 +29,9 @@ import torch.distributed as dist
 from torch import nn
 
 import muonkit
+
+# the CPU suite repeated here on the device: tests/numerics/test_hybrid_muon.py
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "numerics"))
 import test_hybrid_muon as cpu_suite
 
 F64 = torch.float64
@@ -49,7 +54,7 @@ def test_float64_on_the_device_matches_the_cpu_reference(device: str) -> None:
     ("dtype", "ns_dtype", "tolerances"),
     [
         (torch.float32, torch.float32, {"newton_schulz": 1e-4, "gram": 1e-4}),
-        (torch.float32, None, {"newton_schulz": 0.03, "gram": 0.06}),  # tests/test_hybrid_muon.py's bf16 table
+        (torch.float32, None, {"newton_schulz": 0.03, "gram": 0.06}),  # tests/numerics/test_hybrid_muon.py's bf16 table
         (torch.bfloat16, torch.float32, {"newton_schulz": 0.06, "gram": 0.06}),
     ],
     ids=["fp32", "default_ns_dtype", "bf16_params"],

@@ -2,10 +2,10 @@
 
 The inputs are the hard spectra of tests/spectra.py (condition 1e3-1e6, power laws, Cauchy,
 clustered, low rank, rank 1) plus a Gaussian matrix; on CUDA at 256 x 1024, 1024 x 256 and
-512 x 512 (GPT-2-like aspect ratios), in the CPU dry run at the sizes of tests/test_gram.py.
+512 x 512 (GPT-2-like aspect ratios), in the CPU dry run at the sizes of tests/numerics/test_gram.py.
 
 Checks and tolerances, and why:
-- The preset's promised band (functional/coefficients.py), as tests/test_gram.py checks it on
+- The preset's promised band (functional/coefficients.py), as tests/numerics/test_gram.py checks it on
   the CPU: f(s) in the band for every s >= min_relative * ||U||_F, every output singular value
   <= the band's top + 0.01 (half-precision rounding).
 - Against the same iteration in float64 on the same input, along the kept singular directions:
@@ -118,7 +118,7 @@ def tf32(request: pytest.FixtureRequest, device: str) -> Iterator[bool]:
 @pytest.mark.parametrize("steps", [5, 6, 8, 12, 32, 100])
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_gram_stays_in_the_band_on_hard_spectra(device: str, tf32: bool, preset: str, steps: int) -> None:
-    """tests/test_gram.py's promise on the GPU: fp32 Gram (restarts every 4 steps) keeps f(s) in
+    """tests/numerics/test_gram.py's promise on the GPU: fp32 Gram (restarts every 4 steps) keeps f(s) in
     the band; a Gram iteration whose tracked R drifts leaves it within a few steps (inf from 12)."""
     p = PRESETS[preset]
     lo, hi = p.band

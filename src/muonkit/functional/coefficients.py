@@ -253,7 +253,7 @@ def is_preset_schedule(coefficients: str | Sequence[Sequence[float]], *, steps: 
     """Whether this schedule is a preset's (by name, or its steps written out, as ``muonkit.Muon``'s
     default ``(3.4445, -4.7750, 2.0315)`` is Keller's), at any step count.
 
-    The presets' iterations are bounded (``tests/test_orthogonalize_fuzz.py``: output singular
+    The presets' iterations are bounded (``tests/numerics/test_orthogonalize_fuzz.py``: output singular
     values within ``truncated_top`` at 1-12, 16, 32 and 100 steps, plain and Gram, every compute
     dtype, inputs from 1e-40 to 1e30 scale), so
     their output is finite wherever their input is: a step can judge finiteness from the gradients
@@ -270,7 +270,7 @@ def is_preset_schedule(coefficients: str | Sequence[Sequence[float]], *, steps: 
 
 def output_bound(coefficients: str | Sequence[Sequence[float]], *, steps: int | None = None) -> float:
     """A bound on the output singular values of the iteration: a preset's ``truncated_top`` (at
-    any step count; ``tests/test_orthogonalize_fuzz.py``), else the schedule's
+    any step count; ``tests/numerics/test_orthogonalize_fuzz.py``), else the schedule's
     :func:`worst_growth` from inputs in [0, 1] (the normalization's range)."""
     if isinstance(coefficients, str):
         return PRESETS[coefficients].truncated_top

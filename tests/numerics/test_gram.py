@@ -42,7 +42,7 @@ def test_hard_spectra_stay_in_the_promised_band(method: str, dtype: torch.dtype,
 
     With the preset's own step count or more: f(s) in the band for every s >= min_relative *
     ||U||_F, and every output singular value <= the band's top (+0.01 for bf16 rounding, as in
-    tests/test_orthogonalize.py). With fewer steps: every output singular value <= truncated_top.
+    tests/numerics/test_orthogonalize.py). With fewer steps: every output singular value <= truncated_top.
     Before the fix bf16 Gram left the band at 5 steps and overflowed to inf from 8; fp32 Gram
     from 10 steps.
     """

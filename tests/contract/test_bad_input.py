@@ -179,7 +179,7 @@ def test_huge_finite_gradient_is_not_mistaken_for_inf(dtype: torch.dtype, where:
     """A gradient whose squares overflow the fast L2 check (1e30 once, or 1e19 in every entry), but
     below its group's overflow limit (~1e31 for Muon's momentum, ~1.8e19 for AdamW's second
     moment): the exact re-check must let the step through. (An AdamW gradient of 1e30 is above
-    its limit: its square would make exp_avg_sq inf; ``tests/test_overflow.py``.)"""
+    its limit: its square would make exp_avg_sq inf; ``tests/numerics/test_overflow.py``.)"""
     model, opt = _setup("raise", dtype=dtype)
     opt.zero_grad()
     tiny_loss(model).backward()

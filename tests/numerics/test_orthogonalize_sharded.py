@@ -9,7 +9,7 @@ Tolerances, and why:
   float64 sums of squares): <= 1e-12 plain, <= 1e-10 Gram (whose tracked R amplifies rounding by
   up to a^2 per step; measured 4.7e-12 on the hard inputs).
 - fp32 and bf16 on hard inputs (ill-conditioned to 1e6, low rank, rank 1, 1e+-30 and 1e+-300):
-  the promise of tests/test_orthogonalize.py, with its tolerances (the band, off-diagonal <= 1e-4
+  the promise of tests/numerics/test_orthogonalize.py, with its tolerances (the band, off-diagonal <= 1e-4
   fp32 / 0.15 bf16, top singular value <= band top + 0.01).
 - fp32 and bf16 on Gaussian input: within test_orthogonalize's batched-vs-looped tolerance (1e-5 /
   1e-2) of orthogonalize; measured bit-identical in bf16 (the Gram sums are formed in float32 and
@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 import torch
+from test_orthogonalize import INPUTS, OFFDIAG_TOL, _spectral_response
 from torch import Tensor
 
 import muonkit
@@ -37,7 +38,6 @@ from muonkit.functional.sharded import (
     shard_collectives,
     shard_flops,
 )
-from test_orthogonalize import INPUTS, OFFDIAG_TOL, _spectral_response
 
 F64 = torch.float64
 CUSTOM = ((3.0, -3.2, 1.2), (2.9, -3.0, 1.2))

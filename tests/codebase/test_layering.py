@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+SRC = Path(__file__).resolve().parents[2] / "src"
 PACKAGE = SRC / "muonkit"
 PACKAGES = ("muonkit", "muonkit_bench")
 
@@ -150,7 +150,7 @@ def test_only_tests_and_benchmarks_import_the_testing_tools() -> None:
 
 def test_library_tests_do_not_need_the_benchmark_suite() -> None:
     """Only tests/bench imports muonkit_bench: the library's tests run without the ``bench`` extra."""
-    tests = Path(__file__).resolve().parent
+    tests = Path(__file__).resolve().parents[1]
     importers = sorted(
         str(p.relative_to(tests))
         for p in tests.rglob("*.py")

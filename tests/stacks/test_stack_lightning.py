@@ -1,7 +1,7 @@
 """muonkit with Lightning: ``ModelParallelStrategy`` (FSDP2) on CPU, the README's lines.
 
 (``strategy="fsdp"``, FSDP1, is refused by muonkit and needs a GPU in Lightning:
-tests/test_stack_fsdp1.py checks the refusal with torch's FSDP1 directly.)
+tests/stacks/test_stack_fsdp1.py checks the refusal with torch's FSDP1 directly.)
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ from muonkit.config import DEFAULTS, GROUP_KEYS, SCHEDULER_KEYS
 from muonkit.functional.coefficients import PRESETS, RANK_KEPT_STEPS
 from muonkit.functional.validation import MAX_NS_EPS
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 F32, F64, BF16 = torch.float32, torch.float64, torch.bfloat16
 
 

@@ -4,7 +4,7 @@ one loadable, never a broken one; so does a crash between the two renames of the
 The kill test forks a writer that saves generation 1, 2, 3, ... (every param and state filled
 with the generation number) into the same directory, kills it with SIGKILL part-way through a
 save, and loads what is there: every tensor must hold one and the same generation.
-``python tests/test_atomic_checkpoint.py --trials 10`` prints how many trials left an unloadable
+``python tests/checkpoints/test_atomic_checkpoint.py --trials 10`` prints how many trials left an unloadable
 or mixed checkpoint (the figures in the README).
 """
 

@@ -27,7 +27,7 @@ from muonkit.config import DEFAULTS, GROUP_DEFAULT_KEYWORDS, OPTIMIZER_KEYWORDS,
 from muonkit.integrations.deepspeed_config import MuonkitOptions
 from muonkit.integrations.transformers import make_optimizer
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 FIELDS = [f.name for f in dataclasses.fields(Defaults)]
 
 

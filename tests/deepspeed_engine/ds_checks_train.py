@@ -52,6 +52,7 @@ NORMUON_STAGES = (1, 3)
 def _initialize(cfg: dict[str, Any], *, zero_init: bool = False, **kwargs: Any) -> tuple[Any, dict[str, torch.Tensor]]:
     quiet_deepspeed()
     import deepspeed
+
     from muonkit.integrations import deepspeed as mk_ds
 
     torch.manual_seed(0)
@@ -262,6 +263,7 @@ def unsupported_configurations_fail_at_initialize(ctx: Context) -> None:
 def unset_optimizer_never_silently_steps(ctx: Context) -> None:
     quiet_deepspeed()
     import deepspeed
+
     from muonkit.integrations.deepspeed import hybrid_muon
 
     model = Net()
@@ -282,6 +284,7 @@ def unset_optimizer_never_silently_steps(ctx: Context) -> None:
 def install_after_plain_deepspeed_initialize(ctx: Context) -> None:
     quiet_deepspeed()
     import deepspeed
+
     from muonkit.integrations.deepspeed import hybrid_muon, install
 
     model = Net()

@@ -7,7 +7,7 @@ import ast
 import re
 from pathlib import Path
 
-PACKAGES = [Path(__file__).resolve().parents[1] / "src" / name for name in ("muonkit", "muonkit_bench")]
+PACKAGES = [Path(__file__).resolve().parents[2] / "src" / name for name in ("muonkit", "muonkit_bench")]
 SPEED = re.compile(r"~?\d[\d.]*(-[\d.]+)?x (faster|slower|the time|the CPU time)")
 
 

@@ -2,7 +2,7 @@
 never writes outside ``--output``, refuses tags that leave the checkpoint directory, never
 unpickles code, and never leaves a half-written conversion over a previous one.
 
-(tests/deepspeed/ds_checks_load converts real 2-rank checkpoints of every stage.)
+(tests/deepspeed_engine/ds_checks_load converts real 2-rank checkpoints of every stage.)
 """
 
 from __future__ import annotations
