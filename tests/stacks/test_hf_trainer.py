@@ -9,10 +9,12 @@ from typing import Any
 import pytest
 import torch
 
+pytest.importorskip("transformers", reason="the hf extra is not installed (pip install 'muonkit[hf]')")
+
+import transformers
+
 import muonkit
 from muonkit.integrations.transformers import MuonTrainer, make_optimizer, model_from_config
-
-transformers = pytest.importorskip("transformers")
 
 TINY = {
     "model_type": "qwen2", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
