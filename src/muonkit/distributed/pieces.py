@@ -192,10 +192,6 @@ class Job:
     def receivers(self) -> Sequence[Piece]:
         return self.needed or self.held
 
-    def held_by(self, rank: int) -> int:
-        """How many elements of the job ``rank`` holds (the planner's preference)."""
-        return holders_of(self.held).held.get(rank, 0)
-
 
 def local_part(local: Tensor, piece: Piece) -> Tensor:
     """The view of ``local`` (a rank's local tensor) holding ``piece``'s region in storage order.
