@@ -16,7 +16,7 @@ import torch
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
-from muonkit.distributed.dtensor_layout import check_placements
+from muonkit.distributed.dtensor_placement import check_placements
 from muonkit.distributed.pieces import At, Box, Expert, Job, Piece, Runs, Span
 from muonkit.distributed.planner import TOLERANCE, Plan
 from muonkit.functional.matrices import MatrixLayout

@@ -59,7 +59,7 @@ from muonkit.strategy_choice import (
     check_process_group,
     check_strategy,
     choose_strategy,
-    layout_before_choice,
+    placement_before_choice,
     refuse_copy,
 )
 
@@ -424,7 +424,7 @@ class HybridMuon(Optimizer):
         where it maps cleanly (:mod:`muonkit.foreign_state`); other optimizers' state, and state
         values that would wreck the next step (non-finite, negative ``exp_avg_sq``), raise.
         """
-        whole_shapes, local = layout_before_choice(self._strategy)
+        whole_shapes, local = placement_before_choice(self._strategy)
         state_dict = check_state_dict(state_dict, self.param_groups, whole_shapes=whole_shapes, local=local)
         skipped = saved_skipped_steps(state_dict, default=self.skipped_steps)
         current = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]

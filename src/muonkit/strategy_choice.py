@@ -3,7 +3,7 @@
 The strategy is chosen from the params the optimizer holds when it is first needed (the first
 ``step()`` or read of ``opt.strategy``), by :func:`muonkit.distributed.select_strategy`; an
 explicit ``strategy=`` is used as given. Before the choice, the optimizer reads params the way
-every automatic strategy does (:func:`layout_before_choice`). Only this module and the
+every automatic strategy does (:func:`placement_before_choice`). Only this module and the
 distributed package look at DTensors, and only through ``sys.modules``: where
 ``torch.distributed.tensor`` was never imported, no DTensor can exist.
 """
@@ -20,7 +20,7 @@ from torch import Tensor
 from muonkit.distributed import SingleDeviceStrategy, Strategy, select_strategy
 from muonkit.shapes import full_shape
 
-Layout = tuple[Callable[[Tensor], list[tuple[int, ...]]], Callable[[Tensor], Tensor]]
+PlacementReaders = tuple[Callable[[Tensor], list[tuple[int, ...]]], Callable[[Tensor], Tensor]]
 """A strategy's ``whole_shapes`` and ``local``."""
 
 
@@ -98,7 +98,7 @@ def agree_before_refusing(
     probe.check_participation(has_grad, settings)
 
 
-def layout_before_choice(strategy: Strategy | None) -> Layout:
+def placement_before_choice(strategy: Strategy | None) -> PlacementReaders:
     """``whole_shapes`` and ``local`` of ``strategy``, or before it is chosen, of every automatic one.
 
     Before the first step (``load_state_dict`` right after construction, as accelerate's

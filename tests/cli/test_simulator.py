@@ -120,7 +120,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.testing._internal.distributed.fake_pg import FakeStore
-from muonkit.distributed.dtensor_layout import mesh_group, rank_boxes
+from muonkit.distributed.dtensor_placement import mesh_group, rank_boxes
 from muonkit.simulator.meshes import parse_mesh
 from muonkit.simulator.models import Matrix
 
@@ -145,7 +145,7 @@ def check(text, build):
     meshes = build(m)
     group = mesh_group(meshes)
     for name, p in m.named_parameters():
-        placements, ranks = spec.layout(matrices()[name], EXPERTS)
+        placements, ranks = spec.placement(matrices()[name], EXPERTS)
         assert group.boxes(p) == rank_boxes(p.shape, placements, ranks), (text, name, p.placements, placements)
     print("ok", text)
 

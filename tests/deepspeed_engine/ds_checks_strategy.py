@@ -17,7 +17,7 @@ from torch import Tensor
 
 from muonkit.config import MuonConfig, group_config
 from muonkit.distributed.zero import ZeroStrategy
-from muonkit.distributed.zero_layout import FlatLayout, contiguous_layout, per_param_layout
+from muonkit.distributed.zero_partition import FlatPartition, contiguous_partition, per_param_partition
 from muonkit.functional.muon import muon_directions
 
 TOL = 1e-12
@@ -34,7 +34,7 @@ def _config(layout: str = "auto", split_sizes: tuple[int, ...] | None = None) ->
     return config
 
 
-def _run(layout: FlatLayout, config: MuonConfig, ctx: Context) -> tuple[list[Tensor], list[Tensor], ZeroStrategy]:
+def _run(layout: FlatPartition, config: MuonConfig, ctx: Context) -> tuple[list[Tensor], list[Tensor], ZeroStrategy]:
     """(whole updates, gathered directions, strategy) for random updates laid out by ``layout``."""
     gen = torch.Generator().manual_seed(7)
     wholes = [torch.randn(p.shape, generator=gen, dtype=torch.float64) for p in layout.params]
@@ -61,7 +61,7 @@ def _run(layout: FlatLayout, config: MuonConfig, ctx: Context) -> tuple[list[Ten
     return wholes, directions, strategy
 
 
-def _compare(layout: FlatLayout, config: MuonConfig, ctx: Context) -> ZeroStrategy:
+def _compare(layout: FlatPartition, config: MuonConfig, ctx: Context) -> ZeroStrategy:
     wholes, directions, strategy = _run(layout, config, ctx)
     expected = muon_directions(wholes, [config.layout] * len(wholes), config.ns_options)
     for param, got, want in zip(layout.params, directions, expected, strict=True):
@@ -71,7 +71,7 @@ def _compare(layout: FlatLayout, config: MuonConfig, ctx: Context) -> ZeroStrate
     return strategy
 
 
-def _exactly_once(layout: FlatLayout, config: MuonConfig, strategy: ZeroStrategy) -> None:
+def _exactly_once(layout: FlatPartition, config: MuonConfig, strategy: ZeroStrategy) -> None:
     total = torch.tensor([strategy.stats.matrices])
     dist.all_reduce(total)
     expected = sum(b.count for p in layout.params for b in config.layout.blocks(p.shape))
@@ -89,7 +89,7 @@ def contiguous_partitions_straddled_and_spanned(ctx: Context) -> None:
     numels = [math.prod(s) for s in shapes]
     offsets = [sum(numels[:i]) for i in range(len(numels))]
     size = math.ceil((sum(numels) + 3) / ctx.world_size)
-    layout = contiguous_layout(
+    layout = contiguous_partition(
         names=_names(len(shapes)), shapes=shapes, offsets=offsets, partition_size=size, world_size=ctx.world_size
     )
     assert max(len(p.pieces) for p in layout.params) >= 3, "a param must span three partitions"
@@ -104,7 +104,7 @@ def contiguous_alignment_gaps(ctx: Context) -> None:
     # parameter_alignment leaves gaps between params; the gaps must come back as zeros.
     shapes = [(3, 5), (7, 2), (4, 6)]
     offsets = [0, 16, 32]
-    layout = contiguous_layout(names=_names(3), shapes=shapes, offsets=offsets, partition_size=15, world_size=4)
+    layout = contiguous_partition(names=_names(3), shapes=shapes, offsets=offsets, partition_size=15, world_size=4)
     wholes, _, strategy = _run(layout, _config(), ctx)
     del wholes
     flat = strategy.partitions[0]
@@ -121,7 +121,7 @@ def contiguous_alignment_gaps(ctx: Context) -> None:
 def per_param_uneven_tiny_and_empty_shards(ctx: Context) -> None:
     # ZeRO-3: numels not divisible by 4; (1, 2) leaves ranks 2 and 3 without a piece.
     shapes = [(5, 7), (1, 2), (9, 3), (3, 3), (8, 8), (8, 8), (8, 8), (2, 11)]
-    layout = per_param_layout(names=_names(len(shapes)), shapes=shapes, world_size=ctx.world_size)
+    layout = per_param_partition(names=_names(len(shapes)), shapes=shapes, world_size=ctx.world_size)
     assert len(layout.params[1].pieces) == 2
     strategy = _compare(layout, _config(), ctx)
     flat = strategy.partitions[0]
@@ -132,11 +132,11 @@ def per_param_uneven_tiny_and_empty_shards(ctx: Context) -> None:
 
 @check
 def per_param_experts_and_split_blocks(ctx: Context) -> None:
-    experts = per_param_layout(names=_names(2), shapes=[(3, 5, 4), (2, 6, 6)], world_size=ctx.world_size)
+    experts = per_param_partition(names=_names(2), shapes=[(3, 5, 4), (2, 6, 6)], world_size=ctx.world_size)
     _compare(experts, _config("experts"), ctx)
-    split = per_param_layout(names=_names(2), shapes=[(9, 4), (9, 6)], world_size=ctx.world_size)
+    split = per_param_partition(names=_names(2), shapes=[(9, 4), (9, 6)], world_size=ctx.world_size)
     _compare(split, _config("matrix", (3, 3, 3)), ctx)
-    gpt2 = per_param_layout(names=_names(1), shapes=[(18, 6)], world_size=ctx.world_size)
+    gpt2 = per_param_partition(names=_names(1), shapes=[(18, 6)], world_size=ctx.world_size)
     _compare(gpt2, _config("transposed", (2, 2, 2)), ctx)
 
 
@@ -144,7 +144,7 @@ def per_param_experts_and_split_blocks(ctx: Context) -> None:
 def bytes_counted_are_the_split_pieces(ctx: Context) -> None:
     shapes = [(5, 7), (3, 4), (6, 9), (40, 3)]
     numels = [math.prod(s) for s in shapes]
-    layout = contiguous_layout(
+    layout = contiguous_partition(
         names=_names(4),
         shapes=shapes,
         offsets=[sum(numels[:i]) for i in range(4)],
@@ -180,14 +180,14 @@ def zero_size_params_are_skipped(ctx: Context) -> None:
     shapes = [(5, 7), (0, 8), (3, 4), (8, 0), (6, 9), (2, 0, 3)]
     numels = [math.prod(s) for s in shapes]
     layouts = [
-        contiguous_layout(
+        contiguous_partition(
             names=_names(len(shapes)),
             shapes=shapes,
             offsets=[sum(numels[:i]) for i in range(len(shapes))],
             partition_size=math.ceil(sum(numels) / ctx.world_size),
             world_size=ctx.world_size,
         ),
-        per_param_layout(names=_names(len(shapes)), shapes=shapes, world_size=ctx.world_size),
+        per_param_partition(names=_names(len(shapes)), shapes=shapes, world_size=ctx.world_size),
     ]
     for layout in layouts:
         wholes, directions, strategy = _run(layout, _config(), ctx)

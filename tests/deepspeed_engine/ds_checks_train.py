@@ -119,7 +119,7 @@ def _assert_split_matrix(engine: Any) -> None:
     hybrid = engine.optimizer.optimizer
     muon = [g for g in hybrid.param_groups if g["algorithm"] in ("muon", "normuon")]
     flat = muon[0]["params"][0] if muon[0]["params"] else strategy.partitions[-1]
-    layout = strategy.layout_of(flat)
+    layout = strategy.partition_of(flat)
     assert any(len(p.pieces) > 1 for p in layout.params), "the test model must have a matrix cut by a partition"
 
 

@@ -148,14 +148,14 @@ def update_errors(got: dict[str, Tensor], want: nn.Module, init: dict[str, Tenso
 def gather_state(engine: Any) -> dict[str, Tensor]:
     """Every rank: whole per-parameter master weights and optimizer states, from muonkit's partitions.
 
-    Rebuilt from the flat partitions through each :class:`FlatLayout` (DeepSpeed's own
+    Rebuilt from the flat partitions through each :class:`FlatPartition` (DeepSpeed's own
     ``safe_get_full_optimizer_state`` only sees the state of the first param group).
     """
     hybrid = engine.optimizer.optimizer
     strategy = hybrid.strategy
     out = {}
     for flat in strategy.partitions:
-        layout = strategy.layout_of(flat)
+        layout = strategy.partition_of(flat)
         tensors = {"fp32": flat.detach()} | {k: v for k, v in hybrid.state[flat].items() if v.ndim > 0}
         for key, local in tensors.items():
             parts = [torch.empty_like(local) for _ in range(layout.world_size)]

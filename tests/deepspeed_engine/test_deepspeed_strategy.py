@@ -12,7 +12,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from ds_launch import launch, report
 from ds_worker import names
 
-from muonkit.distributed.zero_layout import contiguous_layout, per_param_layout
+from muonkit.distributed.zero_partition import contiguous_partition, per_param_partition
 
 WORLD = 4
 pytestmark = pytest.mark.distributed
@@ -31,7 +31,7 @@ def test_strategy(results: dict, name: str) -> None:
 
 
 def test_contiguous_layout_pieces() -> None:
-    layout = contiguous_layout(
+    layout = contiguous_partition(
         names=["a", "b"], shapes=[(2, 2), (2, 3)], offsets=[0, 4], partition_size=5, world_size=2
     )
     assert [(p.rank, p.local_offset, p.param_offset, p.length) for p in layout.params[1].pieces] == [
@@ -41,7 +41,7 @@ def test_contiguous_layout_pieces() -> None:
 
 
 def test_per_param_layout_pieces() -> None:
-    layout = per_param_layout(names=["a", "b"], shapes=[(2, 3), (1, 2)], world_size=4)
+    layout = per_param_partition(names=["a", "b"], shapes=[(2, 3), (1, 2)], world_size=4)
     assert layout.numel == 2 + 1
     assert [(p.rank, p.local_offset, p.param_offset, p.length) for p in layout.params[0].pieces] == [
         (0, 0, 0, 2),
@@ -52,7 +52,7 @@ def test_per_param_layout_pieces() -> None:
 
 
 def test_layout_rejects_gaps() -> None:
-    from muonkit.distributed.zero_layout import FlatLayout, FlatParam, Piece
+    from muonkit.distributed.zero_partition import FlatParam, FlatPartition, Piece
 
     with pytest.raises(ValueError, match="cover"):
-        FlatLayout((FlatParam("a", (2, 2), (Piece(0, 0, 0, 3),)),), 4, 1)
+        FlatPartition((FlatParam("a", (2, 2), (Piece(0, 0, 0, 3),)),), 4, 1)

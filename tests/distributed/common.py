@@ -192,10 +192,10 @@ def zero_partition(
     """A HybridMuon stepping this rank's flat partition of params of ``shapes``, as under DeepSpeed
     ZeRO-1/2 (a ZeroStrategy over ``process_group``, default the whole world)."""
     from muonkit.distributed.zero import ZeroStrategy
-    from muonkit.distributed.zero_layout import contiguous_layout
+    from muonkit.distributed.zero_partition import contiguous_partition
 
     numels = [math.prod(s) for s in shapes]
-    layout = contiguous_layout(
+    layout = contiguous_partition(
         names=[f"p{i}" for i in range(len(shapes))],
         shapes=list(shapes),
         offsets=[sum(numels[:i]) for i in range(len(numels))],

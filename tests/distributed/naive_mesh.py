@@ -1,7 +1,7 @@
 """A test-only strategy for any DTensor layout: the obviously right, wasteful one.
 
 It exists to check the mesh scenarios themselves (``MUONKIT_MESH_NAIVE=1``, see
-:mod:`mesh_layouts`): every rank gathers every whole update (``full_tensor()``, whatever the
+:mod:`mesh_placements`): every rank gathers every whole update (``full_tensor()``, whatever the
 placements: Replicate, Shard on any dim, ``_StridedShard``), orthogonalizes every matrix itself
 with the single-device math (:func:`muonkit.functional.muon.muon_directions`) and keeps its own
 local part (``distribute_tensor`` without communication). So it matches the single-device control

@@ -1,7 +1,7 @@
 """The resume-fidelity matrix: every way to save and resume x the params' gradients at load time
 x a fresh or used optimizer, on one layout (one device, DDP, FSDP2, HSDP, FSDP2 + TP, TP).
 
-The uninterrupted run: :class:`mesh_layouts.MeshNet` with Muon, NorMuon and AdamW groups takes
+The uninterrupted run: :class:`mesh_placements.MeshNet` with Muon, NorMuon and AdamW groups takes
 ``SAVE_AT`` steps on injected gradients (``late.weight`` and ``norm.bias`` get none before the
 save, so the checkpoint holds no state for them), is saved through every path, and goes on to
 ``STEPS``. A resumed run builds the model again with other initial values and other learning
@@ -40,8 +40,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from common import mismatch
-from mesh_layouts import MeshNet, apply_layout, full, set_grads
-from mesh_layouts import groups as mesh_groups
+from mesh_placements import MeshNet, apply_placement, full, set_grads
+from mesh_placements import groups as mesh_groups
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -77,7 +77,7 @@ DCP_OUTCOMES = {
 
 
 def groups(model: nn.Module) -> list[dict[str, Any]]:
-    """:func:`mesh_layouts.groups`, with :data:`NORMUON`'s matrices moved to NorMuon groups (row moments)."""
+    """:func:`mesh_placements.groups`, with :data:`NORMUON`'s matrices moved to NorMuon groups (row moments)."""
     out = []
     for group in mesh_groups(model):
         names = group["param_names"]
@@ -96,7 +96,7 @@ def groups(model: nn.Module) -> list[dict[str, Any]]:
 
 def build(layout: str, world_size: int, *, seed: int) -> tuple[nn.Module, nn.Module, muonkit.HybridMuon]:
     """(what the user checkpoints, the module holding the params, its optimizer) on ``layout``."""
-    module = apply_layout(MeshNet(seed), "single" if layout == "ddp" else layout, world_size)
+    module = apply_placement(MeshNet(seed), "single" if layout == "ddp" else layout, world_size)
     kwargs: dict[str, Any] = {}
     if layout == "single":
         kwargs["strategy"] = muonkit.distributed.SingleDeviceStrategy()

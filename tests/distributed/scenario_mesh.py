@@ -1,7 +1,7 @@
 """HybridMuon on N-D device meshes (HSDP, FSDP2 + TP, TP alone, EP, pipeline stages) against one device.
 
 Every layout is built with plain torch APIs and ``HybridMuon(param_groups(model))`` (see
-:mod:`mesh_layouts`), stepped on injected gradients beside the single-device control:
+:mod:`mesh_placements`), stepped on injected gradients beside the single-device control:
 
 - **exact**: states and AdamW params bit for bit, Muon params within the batched-products
   tolerance of :mod:`common` (each matrix orthogonalized from the same fp32 values; only which
@@ -26,14 +26,14 @@ import pytest
 import torch
 import torch.distributed as dist
 from harness import Context, check
-from mesh_layouts import (
+from mesh_placements import (
     EXPECTED_PLACEMENTS,
     PARTS,
     MeshNet,
     Snapshot,
     algorithms,
     all_gather_ints,
-    apply_layout,
+    apply_placement,
     build,
     counted_step,
     matrix_flops,
@@ -144,7 +144,7 @@ def _exactly_once(ctx: Context, layout: str, *, parts: Sequence[str] = PARTS, gr
 def _placements(ctx: Context, layouts: Sequence[str]) -> None:
     problems = []
     for layout in layouts:
-        found = placements_of(apply_layout(MeshNet(), layout, ctx.world_size))
+        found = placements_of(apply_placement(MeshNet(), layout, ctx.world_size))
         for name, expected in EXPECTED_PLACEMENTS[layout].items():
             if found.get(name) != expected:
                 problems.append(f"{layout} {name}: {found.get(name)}, expected {expected}")

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from harness import Context, check
-from mesh_layouts import Snapshot, algorithms, build, set_grads, snapshot_differences
+from mesh_placements import Snapshot, algorithms, build, set_grads, snapshot_differences
 from torch import nn
 
 import muonkit

@@ -6,7 +6,7 @@ ZeRO-1/2 and ZeRO-3 flat partitions built by the layouts' arithmetic from the wh
 each held part, the view of the local tensor it names equals ``region.read`` of the whole tensor,
 the whole shapes are :meth:`~muonkit.distributed.base.Strategy.whole_shapes`, the parts tile the
 local tensor, and over all ranks they cover each whole tensor (exactly once where it is sharded).
-The N-D layouts (HSDP, TP, FSDP2 + TP, EP, pipeline stages) are read in scenario_dtensor_layout.
+The N-D layouts (HSDP, TP, FSDP2 + TP, EP, pipeline stages) are read in scenario_dtensor_placement.
 """
 
 from __future__ import annotations
@@ -111,21 +111,21 @@ def regions_of_dtensors_are_their_local_shards(ctx: Context) -> None:
 @check(2, 4)
 def regions_of_zero_partitions_are_spans_of_each_param(ctx: Context) -> None:
     from muonkit.distributed.zero import ZeroStrategy
-    from muonkit.distributed.zero_layout import contiguous_layout, per_param_layout
+    from muonkit.distributed.zero_partition import contiguous_partition, per_param_partition
 
     names = [f"p{i}" for i in range(len(SHAPES))]
     wholes = {n: _whole(s, i) for i, (n, s) in enumerate(zip(names, SHAPES, strict=True))}
     numels = [math.prod(s) for s in SHAPES]
     offsets = [sum(numels[:i]) + 2 * i for i in range(len(numels))]  # alignment gaps between params
     layouts = {
-        "ZeRO-1/2": contiguous_layout(
+        "ZeRO-1/2": contiguous_partition(
             names=names,
             shapes=SHAPES,
             offsets=offsets,
             partition_size=math.ceil((offsets[-1] + numels[-1]) / ctx.world_size),
             world_size=ctx.world_size,
         ),
-        "ZeRO-3": per_param_layout(names=names, shapes=SHAPES, world_size=ctx.world_size),
+        "ZeRO-3": per_param_partition(names=names, shapes=SHAPES, world_size=ctx.world_size),
     }
     for label, layout in layouts.items():
         flat = torch.full((layout.numel,), float("nan"))  # padding and gaps: never read

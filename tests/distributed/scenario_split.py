@@ -57,7 +57,7 @@ def _forced(opt: muonkit.HybridMuon, params: list[Any], layout: str, world_size:
 
 
 def _plans(strategy: PlannedStrategy) -> list[Plan]:
-    return [*strategy._plans.values(), *strategy._plans_by_layout.values()]
+    return [*strategy._plans.values(), *strategy._plans_by_placement.values()]
 
 
 def _train(layout: str, zoo: list[ParamSpec], ctx: Context, *, by_rows: bool) -> list[str]:

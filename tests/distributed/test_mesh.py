@@ -1,5 +1,5 @@
 """The N-D device-mesh suite: HSDP, FSDP2 + TP, TP, EP, pipeline stages, checkpoints across meshes,
-every rank's box of real DTensors (scenario_dtensor_layout), and split Newton-Schulz (scenario_split).
+every rank's box of real DTensors (scenario_dtensor_placement), and split Newton-Schulz (scenario_split).
 
 Launches (each one process group, many checks): W=4 runs the 2x2 layouts and saves the
 checkpoints, W=1 resumes those that end on one device, W=8 runs the 2x2x2 layouts (``slow``:
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.distributed
 MODULES = [
     "scenario_mesh",
     "scenario_mesh_checkpoint",
-    "scenario_dtensor_layout",  # real DTensors read as boxes
+    "scenario_dtensor_placement",  # real DTensors read as boxes
     "scenario_split",  # one job's Newton-Schulz over a group of ranks (W=4 and 8)
 ]
 WORLD_SIZES = [4, 1, 8]  # 4 first: it writes the checkpoints W=1 loads

@@ -1,7 +1,7 @@
 """Single-process checks that the mesh scenarios' layouts are what they claim (no ranks launched).
 
 torch's ``fake`` process group lets one process build a 4- or 8-rank mesh as any one rank would
-(no collective runs). Each layout of :mod:`mesh_layouts` must give the placements the scenarios
+(no collective runs). Each layout of :mod:`mesh_placements` must give the placements the scenarios
 rely on (``_StridedShard`` under FSDP2 + TP, ``Shard(1)`` on rowwise TP and on experts' dim 1,
 Replicate on the HSDP replica axis), and the cuts the exactness checks are about must really
 happen: TP cuts the fused QKV inside a split block, some ranks hold empty shards, a matrix is
@@ -17,7 +17,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 import torch.distributed as dist
-from mesh_layouts import EXPECTED_PLACEMENTS, QKV_SPLIT, MeshNet, apply_layout, placements_of
+from mesh_placements import EXPECTED_PLACEMENTS, QKV_SPLIT, MeshNet, apply_placement, placements_of
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -49,7 +49,7 @@ def _rows_held(p: DTensor, dim: int = 0) -> list[int]:
 @pytest.mark.parametrize(("world_size", "layout"), LAYOUTS, ids=[f"W{w}-{name}" for w, name in LAYOUTS])
 def test_layouts_have_the_placements_the_scenarios_rely_on(world_size: int, layout: str) -> None:
     with fake_rank(world_size - 1, world_size):
-        model = apply_layout(MeshNet(), layout, world_size)
+        model = apply_placement(MeshNet(), layout, world_size)
         found = placements_of(model)
         plain = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
     assert not plain, f"{layout}: params left plain tensors: {plain}"
@@ -62,7 +62,7 @@ def _held(layout: str, world_size: int) -> dict[int, dict[str, list[int]]]:
     out = {}
     for rank in range(world_size):
         with fake_rank(rank, world_size):
-            model = apply_layout(MeshNet(), layout, world_size)
+            model = apply_placement(MeshNet(), layout, world_size)
             out[rank] = {n: _rows_held(p) for n, p in model.named_parameters()}
     return out
 

@@ -20,13 +20,13 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 import planner_reference as ref
-from muonkit.distributed.dtensor_layout import dim_runs, mesh_boxes, rank_boxes, tensor_jobs
+from muonkit.distributed.dtensor_placement import dim_runs, mesh_boxes, rank_boxes, tensor_jobs
 from muonkit.distributed.executor import group_keys
 from muonkit.distributed.pieces import At, Box, Expert, Holders, Job, Piece, Pieces, Span
 from muonkit.distributed.planner import choose_owners, job_cost, make_plan
 from muonkit.distributed.replicated import whole_jobs
-from muonkit.distributed.zero import layout_jobs
-from muonkit.distributed.zero_layout import contiguous_layout, per_param_layout
+from muonkit.distributed.zero import partition_jobs
+from muonkit.distributed.zero_partition import contiguous_partition, per_param_partition
 from muonkit.functional.matrices import MatrixLayout
 from muonkit.simulator.meshes import parse_mesh
 from muonkit.simulator.models import KIMI_K2, LLAMA_70B, shapes_of
@@ -164,13 +164,13 @@ def test_zero_partitions_get_the_reference_plan() -> None:
     offsets = [sum(numels[:i]) for i in range(len(shapes))]
     for world in (2, 3, 4, 8):
         for layout in (
-            contiguous_layout(
+            contiguous_partition(
                 names=[str(i) for i in range(len(shapes))], shapes=shapes, offsets=offsets,
                 partition_size=math.ceil(sum(numels) / world), world_size=world,
             ),
-            per_param_layout(names=[str(i) for i in range(len(shapes))], shapes=shapes, world_size=world),
+            per_param_partition(names=[str(i) for i in range(len(shapes))], shapes=shapes, world_size=world),
         ):  # fmt: skip
-            jobs = layout_jobs(layout, MATRIX)
+            jobs = partition_jobs(layout, MATRIX)
             assert_same_plan(jobs, [job_cost(j, muon_config()) for j in jobs], world)
 
 
@@ -203,7 +203,7 @@ def test_simulated_layouts_equal_the_reference(config: dict, mesh: str) -> None:
         config_ = muon_config(layout)
         jobs, old = [], []
         for i, matrix in enumerate(matrices):
-            placed = spec.layout(matrix, model.experts)
+            placed = spec.placement(matrix, model.experts)
             if placed is None:
                 jobs += whole_jobs(i, matrix.shape, config_.layout, range(spec.stage_ranks))
                 old += ref.whole_jobs(i, matrix.shape, config_.layout, range(spec.stage_ranks))

@@ -15,8 +15,8 @@ from muonkit.config import MuonConfig, group_config
 from muonkit.distributed.pieces import At, Box, Expert, Job, Piece, Span, local_part
 from muonkit.distributed.planner import choose_owners, choose_sources, job_cost, make_plan, scale_of
 from muonkit.distributed.replicated import whole_jobs
-from muonkit.distributed.zero import layout_jobs
-from muonkit.distributed.zero_layout import contiguous_layout, per_param_layout
+from muonkit.distributed.zero import partition_jobs
+from muonkit.distributed.zero_partition import contiguous_partition, per_param_partition
 from muonkit.functional.lr_scaling import lr_scale
 from muonkit.functional.matrices import MatrixLayout
 
@@ -114,10 +114,12 @@ def test_owners_prefer_whole_holders_then_part_holders() -> None:
 def test_zero_size_jobs_have_no_owner_sources_or_group() -> None:
     shapes = [(0, 8), (3, 4), (8, 0), (5, 2)]
     for layout in (
-        contiguous_layout(names=list("abcd"), shapes=shapes, offsets=[0, 0, 12, 12], partition_size=11, world_size=2),
-        per_param_layout(names=list("abcd"), shapes=shapes, world_size=2),
+        contiguous_partition(
+            names=list("abcd"), shapes=shapes, offsets=[0, 0, 12, 12], partition_size=11, world_size=2
+        ),
+        per_param_partition(names=list("abcd"), shapes=shapes, world_size=2),
     ):
-        jobs = layout_jobs(layout, MATRIX)
+        jobs = partition_jobs(layout, MATRIX)
         plan = make_plan(jobs, costs=[job_cost(j, _config()) for j in jobs], world_size=2)
         assert plan.owners[0] == plan.owners[2] == -1, plan.owners
         assert plan.sources[0] == plan.sources[2] == ()
@@ -128,14 +130,14 @@ def test_zero_size_jobs_have_no_owner_sources_or_group() -> None:
 def test_zero_whole_params_stay_and_straddling_ones_go_to_a_holder() -> None:
     shapes = [(5, 7), (3, 4), (6, 9), (40, 3), (4, 4), (2, 3)]
     numels = [math.prod(s) for s in shapes]
-    layout = contiguous_layout(
+    layout = contiguous_partition(
         names=list("abcdef"),
         shapes=shapes,
         offsets=[sum(numels[:i]) for i in range(len(shapes))],
         partition_size=math.ceil((sum(numels) + 3) / 4),
         world_size=4,
     )
-    jobs = layout_jobs(layout, MATRIX)
+    jobs = partition_jobs(layout, MATRIX)
     plan = make_plan(jobs, costs=[job_cost(j, _config()) for j in jobs], world_size=4)
     for param, owner in zip(layout.params, plan.owners, strict=True):
         assert owner in param.holders, (param.name, owner, param.holders)

@@ -32,7 +32,7 @@ def _llama(layers: int, h: int = 8192, inter: int = 28672, kv: int = 1024) -> li
 
 
 def _fsdp_jobs(shapes: list[tuple[int, int]], world_size: int) -> list[Job]:
-    """FSDP2 ``Shard(0)``: rank r holds a block of rows of every matrix (as dtensor_layout builds them)."""
+    """FSDP2 ``Shard(0)``: rank r holds a block of rows of every matrix (as dtensor_placement builds them)."""
     jobs = []
     for t, (rows, cols) in enumerate(shapes):
         sizes = dim0_sizes(rows, world_size)

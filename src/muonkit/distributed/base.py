@@ -128,7 +128,7 @@ class Strategy(ABC):
         strategy                      ``regions(param)``
         ============================  ==========================================================
         single device, replicated     the whole tensor: ``Box.full(shape)``
-        DTensor (any mesh)            this rank's box of the mesh (:mod:`.dtensor_layout`)
+        DTensor (any mesh)            this rank's box of the mesh (:mod:`.dtensor_placement`)
         ZeRO flat partition           per param of the partition, its ``Span`` here, named
         ============================  ==========================================================
 

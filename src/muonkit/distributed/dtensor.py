@@ -4,7 +4,7 @@
 gradient and (here) its optimizer state as a DTensor: a global shape, a device mesh and one
 placement per mesh dim (``Shard(d)``, ``_StridedShard(d, split_factor=f)`` when FSDP2 shards a
 tensor-parallel param, ``Replicate()``). Momentum and AdamW are elementwise and run on the local
-tensors. For orthogonalization :mod:`muonkit.distributed.dtensor_layout` says which part of the
+tensors. For orthogonalization :mod:`muonkit.distributed.dtensor_placement` says which part of the
 whole tensor every rank holds (a :class:`~muonkit.distributed.pieces.Box`: row blocks, column
 blocks, strided row sets, their products, whole replicated copies) and cuts each Muon param into
 :class:`~muonkit.distributed.pieces.Job` s: one per tensor, one per expert matrix of a stack.
@@ -19,7 +19,7 @@ params too where batched products are batch-size independent.
 Params on several meshes are one layout when the meshes span the same ranks (dense layers on a
 flattened ``dp`` mesh, experts on ``(ep, dp)``) or are named sub-meshes of one root mesh (a layer
 left out of tensor parallelism, ``fully_shard``-ed on ``dp`` of ``(dp, tp)``: replicated over
-``tp``); see :func:`~muonkit.distributed.dtensor_layout.mesh_group`.
+``tp``); see :func:`~muonkit.distributed.dtensor_placement.mesh_group`.
 
 Plain params beside TP DTensors (the norms ``parallelize_module`` or a transformers ``tp_plan``
 leaves plain) are read as whole copies on every rank; each step checks that every rank has the
@@ -51,7 +51,7 @@ from torch.distributed.tensor import DTensor
 from muonkit.config import MuonConfig
 from muonkit.distributed.agreement import Setting
 from muonkit.distributed.base import Held
-from muonkit.distributed.dtensor_layout import mesh_group, tensor_jobs
+from muonkit.distributed.dtensor_placement import mesh_group, tensor_jobs
 from muonkit.distributed.executor import PlannedStrategy
 from muonkit.distributed.pieces import Box, Job
 
@@ -63,7 +63,7 @@ class DTensorStrategy(PlannedStrategy):
 
     ``mesh``: the params' device mesh, or a sequence of them (see the module docstring);
     ``process_group``: the group to use (default: one over every rank of the meshes, see
-    :func:`~muonkit.distributed.dtensor_layout.mesh_group`).
+    :func:`~muonkit.distributed.dtensor_placement.mesh_group`).
     """
 
     name = "fsdp2"
@@ -76,8 +76,8 @@ class DTensorStrategy(PlannedStrategy):
         replicated: Sequence[Tensor] = (),
     ) -> None:
         meshes = [mesh] if isinstance(mesh, DeviceMesh) else list(mesh)
-        self.layout = mesh_group(meshes, process_group=process_group)
-        super().__init__(self.layout.group)
+        self.mesh_group = mesh_group(meshes, process_group=process_group)
+        super().__init__(self.mesh_group.group)
         self.meshes = meshes
         self.mesh = meshes[0]
         self.replicated = list(replicated)
@@ -131,7 +131,7 @@ class DTensorStrategy(PlannedStrategy):
         for param in params:
             self._boxes(param)
 
-    def layout_key(self, params: list[Tensor], updates: list[Tensor]) -> Hashable:
+    def placement_key(self, params: list[Tensor], updates: list[Tensor]) -> Hashable:
         return tuple(
             (tuple(p.shape), (tuple(p.placements), p.device_mesh) if isinstance(p, DTensor) else None, u.dtype)
             for p, u in zip(params, updates, strict=True)
@@ -155,14 +155,14 @@ class DTensorStrategy(PlannedStrategy):
             raise ValueError(
                 f"{type(self).__name__} needs DTensor params; got a plain tensor of shape {tuple(param.shape)}"
             )
-        if param.device_mesh not in self.layout.ranks:
+        if param.device_mesh not in self.mesh_group.ranks:
             raise ValueError(
                 f"Invalid DTensor param of shape {tuple(param.shape)} on {param.device_mesh!r}: this optimizer's "
                 f"params live on {self.meshes!r}; build the optimizer over all its params at once"
             )
         boxes = self._box_cache.get(param._spec)
         if boxes is None:  # index arithmetic on the host, once per layout (not every step's check)
-            boxes = self._box_cache[param._spec] = self.layout.boxes(param)
+            boxes = self._box_cache[param._spec] = self.mesh_group.boxes(param)
         mine, local = dict(boxes)[self.comm.rank], param.to_local()
         if tuple(local.shape) != mine.shape and local.numel() + mine.numel:  # FSDP2 may store nothing as (0, 0, c)
             raise ValueError(

@@ -70,7 +70,7 @@ class PlannedStrategy(Strategy):
         super().__init__()
         self.comm = comm(self.stats) if comm is not None else Collectives(group_of(process_group), self.stats)
         self._plans: dict[Hashable, Plan] = {}
-        self._plans_by_layout: dict[Hashable, Plan] = {}
+        self._plans_by_placement: dict[Hashable, Plan] = {}
         self._scales: dict[Hashable, Tensor] = {}
         self._uniform_scales: dict[Hashable, float] = {}  # nan: blocks of different scales
         self.split_policy = SplitPolicy()
@@ -104,7 +104,7 @@ class PlannedStrategy(Strategy):
     def host_tensors(self) -> list[Tensor]:
         return list(self.comm.host_buffers)
 
-    def layout_key(self, params: list[Tensor], updates: list[Tensor]) -> Hashable | None:
+    def placement_key(self, params: list[Tensor], updates: list[Tensor]) -> Hashable | None:
         """A cheap key that fixes :meth:`jobs` for a given ``config``: what each param's jobs depend on
         (shapes, placements, update dtypes), so that a steady-state step finds its plan without
         building and hashing its jobs. ``None`` (default): jobs are built every call."""
@@ -118,15 +118,15 @@ class PlannedStrategy(Strategy):
         return updates  # scratch (see Strategy): every read of it happens before its region is written
 
     def _plan_for(self, params: list[Tensor], updates: list[Tensor], config: MuonConfig) -> Plan:
-        layout = self.layout_key(params, updates)
-        if layout is None:
+        placement = self.placement_key(params, updates)
+        if placement is None:
             return self.plan_of(self.jobs(params, updates, config), updates, config)
-        key = (layout, config.layout, config.steps, config.ns_method, config.ns_dtype, self.split_policy)
-        plan = self._plans_by_layout.get(key)
+        key = (placement, config.layout, config.steps, config.ns_method, config.ns_dtype, self.split_policy)
+        plan = self._plans_by_placement.get(key)
         if plan is None:
-            if len(self._plans_by_layout) >= _PLAN_CACHE:
-                self._plans_by_layout.clear()
-            plan = self._plans_by_layout[key] = self.plan_of(self.jobs(params, updates, config), updates, config)
+            if len(self._plans_by_placement) >= _PLAN_CACHE:
+                self._plans_by_placement.clear()
+            plan = self._plans_by_placement[key] = self.plan_of(self.jobs(params, updates, config), updates, config)
         return plan
 
     def plan_of(

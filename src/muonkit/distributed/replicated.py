@@ -57,7 +57,7 @@ class ReplicatedStrategy(PlannedStrategy):
     def __init__(self, process_group: Any) -> None:
         super().__init__(process_group)
 
-    def layout_key(self, params: list[Tensor], updates: list[Tensor]) -> Hashable:
+    def placement_key(self, params: list[Tensor], updates: list[Tensor]) -> Hashable:
         del params
         return tuple((tuple(u.shape), u.dtype) for u in updates)
 

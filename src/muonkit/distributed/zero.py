@@ -2,7 +2,7 @@
 
 Under ZeRO, DeepSpeed reduces, accumulates, unscales and clips the gradients itself, then calls
 the client optimizer's ``step()`` with every param group holding one flat fp32 tensor: this
-rank's partition (see :mod:`muonkit.distributed.zero_layout` for what lies where). Everything
+rank's partition (see :mod:`muonkit.distributed.zero_partition` for what lies where). Everything
 elementwise (Muon momentum, decoupled weight decay, the whole of AdamW) runs on that flat tensor
 as it is, so optimizer state stays partitioned exactly like DeepSpeed's master weights.
 
@@ -28,7 +28,7 @@ DeepSpeed ZeRO-3 calls ``step()`` once per sub-group).
 Example (what :func:`muonkit.integrations.deepspeed.initialize` does)::
 
     strategy = ZeroStrategy(process_group=dp_group)
-    strategy.bind(flat_fp32_partition, contiguous_layout(...))
+    strategy.bind(flat_fp32_partition, contiguous_partition(...))
     optimizer.set_strategy(strategy)
 """
 
@@ -44,14 +44,14 @@ from muonkit.distributed.base import Held
 from muonkit.distributed.executor import PlannedStrategy
 from muonkit.distributed.pieces import At, Job, Piece, Span
 from muonkit.distributed.planner import Plan
-from muonkit.distributed.zero_layout import FlatLayout
+from muonkit.distributed.zero_partition import FlatPartition
 from muonkit.functional.matrices import MatrixLayout
 
-__all__ = ["ZeroStrategy", "layout_jobs"]
+__all__ = ["ZeroStrategy", "partition_jobs"]
 
 
-def layout_jobs(layout: FlatLayout, matrix_layout: MatrixLayout) -> list[Job]:
-    """One job per param of ``layout`` (in order; a zero-size param has no pieces), ``tensor=0``."""
+def partition_jobs(partition: FlatPartition, matrix_layout: MatrixLayout) -> list[Job]:
+    """One job per param of ``partition`` (in order; a zero-size param has no pieces), ``tensor=0``."""
     return [
         Job(
             0,
@@ -61,12 +61,12 @@ def layout_jobs(layout: FlatLayout, matrix_layout: MatrixLayout) -> list[Job]:
                 Piece(p.rank, Span(p.param_offset, p.param_offset + p.length), At(p.local_offset)) for p in param.pieces
             ),
         )
-        for param in layout.params
+        for param in partition.params
     ]
 
 
 class ZeroStrategy(PlannedStrategy):
-    """Flat fp32 partitions (DeepSpeed ZeRO); bind each flat tensor to its :class:`FlatLayout`."""
+    """Flat fp32 partitions (DeepSpeed ZeRO); bind each flat tensor to its :class:`FlatPartition`."""
 
     name = "zero"
 
@@ -74,24 +74,24 @@ class ZeroStrategy(PlannedStrategy):
         super().__init__(process_group)
         self.rank = self.comm.rank
         self.world_size = self.comm.world_size
-        self._layouts: dict[int, tuple[Tensor, FlatLayout]] = {}
+        self._partitions: dict[int, tuple[Tensor, FlatPartition]] = {}
         self._zero_plans: dict[tuple[int, MatrixLayout, int, str, torch.dtype | None], Plan] = {}
 
-    def bind(self, flat: Tensor, layout: FlatLayout) -> None:
-        """Declare that ``flat`` (a param of the optimizer) is this rank's partition of ``layout``."""
-        if layout.world_size != self.world_size:
-            raise ValueError(f"layout is for {layout.world_size} ranks, the process group has {self.world_size}")
-        if flat.ndim != 1 or flat.numel() != layout.numel:
-            raise ValueError(f"flat partition has shape {tuple(flat.shape)}, the layout needs ({layout.numel},)")
-        self._layouts[id(flat)] = (flat, layout)
+    def bind(self, flat: Tensor, partition: FlatPartition) -> None:
+        """Declare that ``flat`` (a param of the optimizer) is this rank's part of ``partition``."""
+        if partition.world_size != self.world_size:
+            raise ValueError(f"layout is for {partition.world_size} ranks, the process group has {self.world_size}")
+        if flat.ndim != 1 or flat.numel() != partition.numel:
+            raise ValueError(f"flat partition has shape {tuple(flat.shape)}, the layout needs ({partition.numel},)")
+        self._partitions[id(flat)] = (flat, partition)
 
     @property
     def partitions(self) -> list[Tensor]:
         """The bound flat partitions, in binding order."""
-        return [flat for flat, _ in self._layouts.values()]
+        return [flat for flat, _ in self._partitions.values()]
 
-    def layout_of(self, flat: Tensor) -> FlatLayout:
-        entry = self._layouts.get(id(flat))
+    def partition_of(self, flat: Tensor) -> FlatPartition:
+        entry = self._partitions.get(id(flat))
         if entry is None or entry[0] is not flat:
             raise RuntimeError(
                 f"HybridMuon got a tensor of shape {tuple(flat.shape)} that is not a ZeRO flat partition it knows: "
@@ -100,16 +100,16 @@ class ZeroStrategy(PlannedStrategy):
         return entry[1]
 
     def whole_shapes(self, param: Tensor) -> list[tuple[int, ...]]:
-        entry = self._layouts.get(id(param))
+        entry = self._partitions.get(id(param))
         if entry is None or entry[0] is not param:
             return super().whole_shapes(param)
         return [p.shape for p in entry[1].params]
 
     def regions(self, param: Tensor) -> tuple[Held, ...]:
-        """For a bound flat partition, every param of its :class:`FlatLayout` (as :meth:`whole_shapes`), named,
+        """For a bound flat partition, every param of its :class:`FlatPartition` (as :meth:`whole_shapes`), named,
         with the :class:`~muonkit.distributed.pieces.Span` of its flattened elements this rank's partition
         holds at ``offset`` (an empty span where it holds none); any other tensor is whole and local."""
-        entry = self._layouts.get(id(param))
+        entry = self._partitions.get(id(param))
         if entry is None or entry[0] is not param:
             return super().regions(param)
         held = []
@@ -124,22 +124,22 @@ class ZeroStrategy(PlannedStrategy):
 
     def plan(self, flat: Tensor, config: MuonConfig) -> Plan:
         """The (cached) plan of a bound flat partition under a group's matrix layout: one job per
-        param of its :class:`FlatLayout`, in order, exchanged as one group (two ``all_to_all``)."""
-        layout = self.layout_of(flat)
-        key = (id(layout), config.layout, config.steps, config.ns_method, config.ns_dtype)  # what the costs depend on
+        param of its :class:`FlatPartition`, in order, exchanged as one group (two ``all_to_all``)."""
+        partition = self.partition_of(flat)
+        key = (id(partition), config.layout, config.steps, config.ns_method, config.ns_dtype)  # what costs depend on
         if key not in self._zero_plans:
-            jobs = layout_jobs(layout, config.layout)
+            jobs = partition_jobs(partition, config.layout)
             self._zero_plans[key] = self.plan_of(jobs, [flat], config, one_group=True)
         return self._zero_plans[key]
 
     def check_params(self, params: list[Tensor]) -> None:
         for flat in params:
-            self.layout_of(flat)
+            self.partition_of(flat)
 
     def jobs(self, params: list[Tensor], updates: list[Tensor], config: MuonConfig) -> list[Job]:
         del updates
         (flat,) = params
-        return layout_jobs(self.layout_of(flat), config.layout)
+        return partition_jobs(self.partition_of(flat), config.layout)
 
     def directions(
         self, params: list[Tensor], updates: list[Tensor], config: MuonConfig, *, rows: list[Tensor] | None = None
@@ -147,7 +147,7 @@ class ZeroStrategy(PlannedStrategy):
         out = []
         for k, (flat, update) in enumerate(zip(params, updates, strict=True)):  # one exchange per partition
             directions = torch.zeros_like(update)  # padding and gaps between params: zero
-            moments = None if rows is None else [rows[k]]  # every param of the layout's, in order
+            moments = None if rows is None else [rows[k]]  # every param of the partition's, in order
             self.run(self.plan(flat, config), [update], [directions], config, rows=moments)
             out.append(directions)
         return out

@@ -39,7 +39,7 @@ from torch import Tensor, nn
 from muonkit.config import MuonConfig
 from muonkit.distributed.base import Strategy
 from muonkit.distributed.zero import ZeroStrategy
-from muonkit.distributed.zero_layout import FlatLayout, contiguous_layout, per_param_layout
+from muonkit.distributed.zero_partition import FlatPartition, contiguous_partition, per_param_partition
 from muonkit.integrations.deepspeed_checkpoint import guard_load_checkpoint
 from muonkit.integrations.deepspeed_config import (
     MuonkitOptions,
@@ -221,20 +221,20 @@ def install(engine_or_optimizer: Any) -> ZeroStrategy:
         if obj is None or len(chain) > 4:
             raise TypeError(f"No muonkit.HybridMuon inside {type(engine_or_optimizer).__name__}")
     zero = chain[-1] if chain else None
-    group, layouts = _read_layouts(zero)
+    group, partitions = _read_partitions(zero)
     strategy = ZeroStrategy(process_group=group)
-    for flat, layout in layouts:
-        strategy.bind(flat, layout)
+    for flat, partition in partitions:
+        strategy.bind(flat, partition)
     obj.set_strategy(strategy)
     if hasattr(engine_or_optimizer, "load_checkpoint") and hasattr(engine_or_optimizer, "dp_world_size"):
         guard_load_checkpoint(engine_or_optimizer)
     logger.info(
-        "muonkit: %s with %d flat partitions over %d ranks", type(zero).__name__, len(layouts), strategy.world_size
+        "muonkit: %s with %d flat partitions over %d ranks", type(zero).__name__, len(partitions), strategy.world_size
     )
     return strategy
 
 
-def _read_layouts(zero: Any) -> tuple[Any, list[tuple[Tensor, FlatLayout]]]:
+def _read_partitions(zero: Any) -> tuple[Any, list[tuple[Tensor, FlatPartition]]]:
     kind = type(zero).__name__
     readers = {"DeepSpeedZeroOptimizer": _zero12, "BF16_Optimizer": _bf16, "DeepSpeedZeroOptimizer_Stage3": _zero3}
     if kind not in readers:
@@ -266,54 +266,54 @@ def _world(group: Any) -> int:
     return dist.get_world_size(group)
 
 
-def _zero12(zero: Any) -> tuple[Any, list[tuple[Tensor, FlatLayout]]]:
+def _zero12(zero: Any) -> tuple[Any, list[tuple[Tensor, FlatPartition]]]:
     group = _one_group(zero.real_dp_process_group)
     world, out = _world(group), []
     for i, flat in enumerate(zero.single_partition_of_fp32_groups):
         params = zero.round_robin_bit16_groups[i]
-        layout = contiguous_layout(
+        partition = contiguous_partition(
             names=_names(zero, params, i),
             shapes=[tuple(meta.shape) for meta in zero.round_robin_bit16_meta[i]],
             offsets=zero.round_robin_bit16_offsets[i],
             partition_size=zero.partition_size[i],
             world_size=world,
         )
-        out.append((flat, layout))
+        out.append((flat, partition))
     return group, out
 
 
-def _bf16(zero: Any) -> tuple[Any, list[tuple[Tensor, FlatLayout]]]:
+def _bf16(zero: Any) -> tuple[Any, list[tuple[Tensor, FlatPartition]]]:
     group = _one_group(zero.real_dp_process_group)
     world, out = _world(group), []
     for i, flat in enumerate(zero.fp32_groups_flat_partition):
         params = zero.bf16_groups[i]
         offsets = [sum(p.numel() for p in params[:j]) for j in range(len(params))]
-        layout = contiguous_layout(
+        partition = contiguous_partition(
             names=_names(zero, params, i),
             shapes=[tuple(p.shape) for p in params],
             offsets=offsets,
             partition_size=zero.bf16_groups_flat[i].numel() // world,
             world_size=world,
         )
-        out.append((flat, layout))
+        out.append((flat, partition))
     return group, out
 
 
-def _zero3(zero: Any) -> tuple[Any, list[tuple[Tensor, FlatLayout]]]:
+def _zero3(zero: Any) -> tuple[Any, list[tuple[Tensor, FlatPartition]]]:
     group = _one_group(zero.sub_group_process_groups)
     world, out = _world(group), []
     for i, flat in enumerate(zero.fp32_partitioned_groups_flat):
         params = zero.fp16_groups[i]
-        for p in params:  # the layout below is DeepSpeed's partitioning rule; check it holds
+        for p in params:  # the partition below is DeepSpeed's partitioning rule; check it holds
             if p.partition_numel() != math.ceil(p.ds_numel / world):
                 raise UnsupportedConfiguration(
                     f"muonkit + DeepSpeed: ZeRO-3 partition of {p.ds_numel} elements has {p.partition_numel()} on "
                     f"this rank, expected ceil(numel/{world}); this partitioning is not supported"
                 )
-        layout = per_param_layout(
+        partition = per_param_partition(
             names=_names(zero, params, i), shapes=[tuple(p.ds_shape) for p in params], world_size=world
         )
-        out.append((flat, layout))
+        out.append((flat, partition))
     return group, out
 
 

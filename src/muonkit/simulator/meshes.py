@@ -21,7 +21,7 @@ A description is comma-separated ``name=size`` entries (:func:`parse_mesh`):
 =================  ===========================================================================
 
 The world size is the product of the sizes. Placements are given on the mesh the params are read
-on (:class:`~muonkit.distributed.dtensor_layout.MeshGroup`: a param on a sub-mesh is replicated
+on (:class:`~muonkit.distributed.dtensor_placement.MeshGroup`: a param on a sub-mesh is replicated
 over the dims it lacks), with the group rank at each coordinate, row-major.
 
 Example::
@@ -82,7 +82,7 @@ class MeshSpec:
             parts.append(f"fsdp={self.shard}")
         return ",".join(parts)
 
-    def layout(self, matrix: Matrix, experts: int) -> tuple[tuple[Placement, ...], torch.Tensor] | None:
+    def placement(self, matrix: Matrix, experts: int) -> tuple[tuple[Placement, ...], torch.Tensor] | None:
         """The placements of ``matrix`` and the group rank at each coordinate of the mesh it is
         read on; None under DDP (whole on every rank)."""
         if self.ddp:

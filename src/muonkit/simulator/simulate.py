@@ -3,8 +3,8 @@
 For each pipeline stage (one optimizer over the stage's ranks), each param group of the default
 routing (one per matrix layout, as :func:`muonkit.param_groups` makes them) is laid out as the
 torch APIs lay it out (:mod:`muonkit.simulator.meshes`), cut into jobs by the same functions the
-strategies call (:func:`~muonkit.distributed.dtensor_layout.rank_boxes` and
-:func:`~muonkit.distributed.dtensor_layout.tensor_jobs` as :class:`~muonkit.distributed.dtensor.DTensorStrategy`,
+strategies call (:func:`~muonkit.distributed.dtensor_placement.rank_boxes` and
+:func:`~muonkit.distributed.dtensor_placement.tensor_jobs` as :class:`~muonkit.distributed.dtensor.DTensorStrategy`,
 :func:`~muonkit.distributed.replicated.whole_jobs` under DDP) and planned by
 :func:`~muonkit.distributed.planner.make_plan` with the executor's costs and exchange groups.
 What each rank then computes, sends and receives is read off the plans; the host work of a step
@@ -32,8 +32,8 @@ from typing import Any
 import torch
 
 from muonkit.config import DEFAULTS, MUON_KEYS, MuonConfig, group_config
-from muonkit.distributed import dtensor_layout
-from muonkit.distributed.dtensor_layout import rank_boxes, tensor_jobs
+from muonkit.distributed import dtensor_placement
+from muonkit.distributed.dtensor_placement import rank_boxes, tensor_jobs
 from muonkit.distributed.executor import group_keys
 from muonkit.distributed.pieces import Box, Job, holders_of
 from muonkit.distributed.planner import Plan, job_cost, make_plan, wire_dtype
@@ -206,7 +206,7 @@ def simulate(
 def plan_stage(model: ModelShapes, mesh: MeshSpec, stage: int, *, policy: SplitPolicy | None = None) -> StagePlan:
     """The jobs and plans of one pipeline stage, timed from cold caches."""
     policy = SplitPolicy() if policy is None else policy
-    dtensor_layout.clear_caches()
+    dtensor_placement.clear_caches()
     start = time.process_time()
     groups: dict[tuple[str, tuple[int, ...] | None], list[Matrix]] = {}
     for matrix in _stage_matrices(model, mesh.pp, stage):
@@ -216,7 +216,7 @@ def plan_stage(model: ModelShapes, mesh: MeshSpec, stage: int, *, policy: SplitP
     ]
     seconds = time.process_time() - start
     return StagePlan(
-        stage, mesh.stage_ranks, planned, seconds, retained_bytes((planned, dtensor_layout.layout_caches()))
+        stage, mesh.stage_ranks, planned, seconds, retained_bytes((planned, dtensor_placement.placement_caches()))
     )
 
 
@@ -233,7 +233,7 @@ def _plan_group(
     jobs: list[Job] = []
     holders: list[Sequence[tuple[int, Box]] | None] = []
     for i, matrix in enumerate(matrices):
-        placed = mesh.layout(matrix, model.experts)
+        placed = mesh.placement(matrix, model.experts)
         if placed is None:  # DDP: ReplicatedStrategy's jobs
             holders.append(None)
             jobs += whole_jobs(i, matrix.shape, config.layout, range(w))

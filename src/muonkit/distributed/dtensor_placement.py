@@ -55,9 +55,9 @@ __all__ = [
     "check_placements",
     "clear_caches",
     "dim_runs",
-    "layout_caches",
     "mesh_boxes",
     "mesh_group",
+    "placement_caches",
     "rank_boxes",
     "tensor_jobs",
 ]
@@ -165,14 +165,14 @@ def _split_table(size: int, cuts: tuple[tuple[Shard | _StridedShard, int], ...])
     return {coordinate: _runs(index.tolist()) for coordinate, index in level.items()}
 
 
-def layout_caches() -> tuple[Any, ...]:
-    """The caches of layouts computed so far (boxes, splits, shared holders), kept for the process."""
+def placement_caches() -> tuple[Any, ...]:
+    """The caches of placements computed so far (boxes, splits, shared holders), kept for the process."""
     return (_split_table, mesh_boxes, _rank_boxes, _table)
 
 
 def clear_caches() -> None:
-    """Forget every layout computed so far: for measuring a cold start."""
-    for cached in layout_caches():
+    """Forget every placement computed so far: for measuring a cold start."""
+    for cached in placement_caches():
         cached.cache_clear()
 
 
@@ -217,7 +217,7 @@ def mesh_boxes(
 def rank_boxes(
     shape: Sequence[int], placements: Sequence[Placement], ranks: torch.Tensor
 ) -> tuple[tuple[int, Box], ...]:
-    """``(rank, box)`` for every rank of the mesh, in rank order (the same object for the same layout).
+    """``(rank, box)`` for every rank of the mesh, in rank order (the same object for the same placements).
 
     ``ranks``: a mesh-shaped integer tensor, the process group rank at each mesh coordinate.
     """
@@ -335,7 +335,7 @@ def _experts(shape: tuple[int, ...], holders: Sequence[tuple[int, Box]]) -> list
 
 
 def _merged(parts: list[Sequence[Piece]], order: dict[int, int]) -> tuple[Piece, ...]:
-    """An expert held by several groups or none (not a layout torch makes): its pieces in holder order."""
+    """An expert held by several groups or none (not a placement torch makes): its pieces in holder order."""
     return tuple(sorted((p for pieces in parts for p in pieces), key=lambda p: order[p.rank]))
 
 

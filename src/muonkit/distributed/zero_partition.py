@@ -1,13 +1,13 @@
 """Where the pieces of each parameter live in DeepSpeed ZeRO's flat fp32 partitions.
 
 DeepSpeed hands its client optimizer one flat fp32 tensor per param group and rank (ZeRO-1/2)
-or per sub-group and rank (ZeRO-3), not the parameters. A :class:`FlatLayout` describes such a
+or per sub-group and rank (ZeRO-3), not the parameters. A :class:`FlatPartition` describes such a
 tensor on every rank at once: for each original parameter, its shape and the :class:`Piece` s
 of its flattened elements, each on one rank at one offset of that rank's flat partition.
 
-Two layouts occur, both pure arithmetic on shapes (no DeepSpeed import):
+Two partitionings occur, both pure arithmetic on shapes (no DeepSpeed import):
 
-ZeRO-1 and ZeRO-2 (and DeepSpeed's BF16 optimizer), :func:`contiguous_layout`: the params are
+ZeRO-1 and ZeRO-2 (and DeepSpeed's BF16 optimizer), :func:`contiguous_partition`: the params are
 concatenated (at ``offsets``) into one flat buffer that is cut into ``world_size`` equal
 partitions of ``partition_size`` elements; rank ``r`` holds ``[r*P, (r+1)*P)``. A param lies
 inside one partition or straddles a boundary::
@@ -15,7 +15,7 @@ inside one partition or straddles a boundary::
     flat:   | a a a a b b | b b b c c c |      a: whole on rank 0, c: whole on rank 1
             |   rank 0    |   rank 1    |      b: straddles, pieces on ranks 0 and 1
 
-ZeRO-3, :func:`per_param_layout`: every param is cut on its own into ``world_size`` pieces of
+ZeRO-3, :func:`per_param_partition`: every param is cut on its own into ``world_size`` pieces of
 ``ceil(numel/W)`` elements (the last padded); a rank's flat tensor is its piece of each param
 of the sub-group, one after another::
 
@@ -23,9 +23,9 @@ of the sub-group, one after another::
 
 Example::
 
-    >>> layout = contiguous_layout(names=["a", "b"], shapes=[(2, 2), (2, 3)], offsets=[0, 4],
-    ...                            partition_size=5, world_size=2)
-    >>> [(p.rank, p.local_offset, p.param_offset, p.length) for p in layout.params[1].pieces]
+    >>> partition = contiguous_partition(names=["a", "b"], shapes=[(2, 2), (2, 3)], offsets=[0, 4],
+    ...                                  partition_size=5, world_size=2)
+    >>> [(p.rank, p.local_offset, p.param_offset, p.length) for p in partition.params[1].pieces]
     [(0, 4, 0, 1), (1, 0, 1, 5)]
 """
 
@@ -35,7 +35,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["FlatLayout", "FlatParam", "Piece", "contiguous_layout", "per_param_layout"]
+__all__ = ["FlatParam", "FlatPartition", "Piece", "contiguous_partition", "per_param_partition"]
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,7 @@ class FlatParam:
 
 
 @dataclass(frozen=True)
-class FlatLayout:
+class FlatPartition:
     """A flat partition (``numel`` elements on every rank) and the params whose pieces it holds."""
 
     params: tuple[FlatParam, ...]
@@ -90,15 +90,15 @@ class FlatLayout:
                 raise ValueError(f"pieces of {param.name!r} cover {covered} of its {param.numel} elements")
 
 
-def contiguous_layout(
+def contiguous_partition(
     *,
     names: Sequence[str],
     shapes: Sequence[Sequence[int]],
     offsets: Sequence[int],
     partition_size: int,
     world_size: int,
-) -> FlatLayout:
-    """ZeRO-1/2 (and BF16 optimizer) layout: params at ``offsets`` of one buffer cut into equal partitions."""
+) -> FlatPartition:
+    """ZeRO-1/2 (and BF16 optimizer) partitioning: params at ``offsets`` of one buffer cut into equal partitions."""
     if partition_size <= 0 or world_size <= 0:
         raise ValueError(f"Invalid partition_size={partition_size}, world_size={world_size}: must be > 0")
     params = []
@@ -112,11 +112,11 @@ def contiguous_layout(
             pieces.append(Piece(rank, start - rank * partition_size, done, length))
             done += length
         params.append(FlatParam(name, tuple(shape), tuple(pieces)))
-    return FlatLayout(tuple(params), partition_size, world_size)
+    return FlatPartition(tuple(params), partition_size, world_size)
 
 
-def per_param_layout(*, names: Sequence[str], shapes: Sequence[Sequence[int]], world_size: int) -> FlatLayout:
-    """ZeRO-3 layout: each param cut into ``world_size`` pieces of ``ceil(numel/W)``, stacked per rank."""
+def per_param_partition(*, names: Sequence[str], shapes: Sequence[Sequence[int]], world_size: int) -> FlatPartition:
+    """ZeRO-3 partitioning: each param cut into ``world_size`` pieces of ``ceil(numel/W)``, stacked per rank."""
     if world_size <= 0:
         raise ValueError(f"Invalid world_size={world_size}: must be > 0")
     params, local = [], 0
@@ -130,4 +130,4 @@ def per_param_layout(*, names: Sequence[str], shapes: Sequence[Sequence[int]], w
         )
         params.append(FlatParam(name, tuple(shape), pieces))
         local += size
-    return FlatLayout(tuple(params), local, world_size)
+    return FlatPartition(tuple(params), local, world_size)

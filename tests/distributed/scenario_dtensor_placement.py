@@ -31,7 +31,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 import muonkit
 from muonkit.distributed.dtensor import DTensorStrategy
-from muonkit.distributed.dtensor_layout import mesh_group, rank_boxes, tensor_jobs
+from muonkit.distributed.dtensor_placement import mesh_group, rank_boxes, tensor_jobs
 from muonkit.distributed.pieces import local_part
 from muonkit.functional.matrices import MatrixLayout
 
@@ -313,7 +313,7 @@ def _beside_single(shard: Any, *, label: str, steps: int = 3, group_size: int | 
             p.grad = distribute_tensor(ref_params[n].grad, p.device_mesh, p.placements, src_data_rank=None)
         opt.step()
         ref.step()
-    spanned = opt.strategy.layout
+    spanned = opt.strategy.mesh_group
     problems = []
     for n in names:
         p, r = params[n], ref_params[n]

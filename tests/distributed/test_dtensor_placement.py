@@ -1,7 +1,7 @@
 """The DTensor layout reader without ranks: boxes per mesh coordinate, jobs, what raises.
 
 Real DTensors (``distribute_tensor``, ``fully_shard``, ``parallelize_module``) at 4 and 8 ranks
-are checked in ``tests/distributed/scenario_dtensor_layout.py``. Here the boxes are checked
+are checked in ``tests/distributed/scenario_dtensor_placement.py``. Here the boxes are checked
 against torch's own shape arithmetic (``_compute_local_shape_and_global_offset``, a separate
 code path from the split that :func:`dim_runs` runs) and against an invariant every layout
 keeps: each element is held by exactly as many ranks as the mesh dims that do not shard it hold.
@@ -19,7 +19,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from muonkit.distributed.dtensor_layout import check_placements, dim_runs, mesh_boxes, rank_boxes, tensor_jobs
+from muonkit.distributed.dtensor_placement import check_placements, dim_runs, mesh_boxes, rank_boxes, tensor_jobs
 from muonkit.distributed.pieces import At, Box, Expert, local_part
 from muonkit.functional.matrices import MatrixLayout
 

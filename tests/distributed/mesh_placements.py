@@ -146,7 +146,7 @@ def _experts_over(model: nn.Module, ep_mesh: Any) -> None:
         setattr(model.experts, name, nn.Parameter(distribute_tensor(p.data, ep_mesh, [Shard(0)])))
 
 
-def apply_layout(model: nn.Module, layout: str, world_size: int) -> nn.Module:
+def apply_placement(model: nn.Module, layout: str, world_size: int) -> nn.Module:
     """Lay ``model`` out in place over ``world_size`` ranks; returns it.
 
     ======== ====== ==========================================================================
@@ -231,7 +231,7 @@ def optimizer(model: nn.Module, layout: str) -> muonkit.HybridMuon:
 def build(
     layout: str, world_size: int, *, seed: int = 0, parts: Sequence[str] = PARTS
 ) -> tuple[nn.Module, muonkit.HybridMuon]:
-    model = apply_layout(MeshNet(seed, parts), layout, world_size)
+    model = apply_placement(MeshNet(seed, parts), layout, world_size)
     return model, optimizer(model, layout)
 
 
