@@ -83,3 +83,29 @@ def test_tp_alone_and_ep_leave_ranks_empty() -> None:
     ep = _held("ep", 4)
     assert [ep[r]["experts.w_one"] for r in range(4)] == [[0], [0], [], []], "one expert: the second EP rank holds none"
     assert [ep[r]["experts.w_uneven"] for r in range(4)] == [[0, 1], [0, 1], [2], [2]]
+
+
+NAMES = {
+    "fsdp": "fsdp2",
+    "hsdp": "hsdp",
+    "fsdp_tp": "fsdp2+tp",
+    "tp": "tp",
+    "tp_plain": "tp",
+    "ep": "ep+fsdp2",
+    "ep_fsdp": "ep+fsdp2",
+    "pp0": "fsdp2",
+    "hsdp_tp": "hsdp+tp",
+    "ep_tp": "ep+fsdp2+tp",
+}
+
+
+@pytest.mark.parametrize("layout", list(NAMES))
+def test_the_strategy_is_named_after_the_meshes(layout: str) -> None:
+    """DTensorStrategy.name says the parallelism (it said "fsdp2" for TP, EP and HSDP too)."""
+    from muonkit.distributed.parallelism import parallelism_name
+
+    world_size = 8 if layout in ("hsdp_tp", "ep_tp") else 4
+    with fake_rank(world_size - 1, world_size):
+        model = apply_placement(MeshNet(), layout, world_size)
+        meshes = list(dict.fromkeys(p.device_mesh for p in model.parameters() if isinstance(p, DTensor)))
+    assert parallelism_name(meshes) == NAMES[layout]

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+from typing import Any
+
 import pytest
 import torch
 from common import dim0_sizes
@@ -56,3 +59,25 @@ def test_orthogonalization_does_not_depend_on_how_a_matrix_is_stored(
             got = options.orthogonalize_batches([views], rows=rows, cols=cols)
             expected = options.orthogonalize_batches([stacked], rows=rows, cols=cols)
             assert torch.equal(got, expected), f"trial {trial}: {(got - expected).abs().max().item():.3e}"
+
+
+@pytest.mark.parametrize(
+    ("meshes", "name"),
+    [
+        ([((4,), None)], "fsdp2"),
+        ([((2, 2), None)], "hsdp"),  # fully_shard reads an unnamed 2-D mesh as (replicate, shard)
+        ([((1,), None)], "fsdp2"),  # one rank: no parallelism to name
+        ([((1, 4), ("dp_replicate", "dp_shard_cp"))], "fsdp2"),
+        ([((2, 4), ("data_parallel", "tensor_parallel"))], "fsdp2+tp"),
+        ([((4, 1), ("data_parallel", "tensor_parallel"))], "fsdp2"),
+        ([((2, 2, 2), ("dp_replicate", "dp_shard", "tp"))], "hsdp+tp"),
+        ([((4,), ("tp",))], "tp"),
+        ([((2,), ("ep",)), ((2,), ("dp",))], "ep+fsdp2"),
+        ([((2, 2), ("dp", "cp"))], "fsdp2+cp"),
+    ],
+)
+def test_parallelism_name_from_the_mesh_dims(meshes: list[tuple[tuple[int, ...], Any]], name: str) -> None:
+    from muonkit.distributed.parallelism import parallelism_name
+
+    stand_ins = [SimpleNamespace(shape=shape, mesh_dim_names=names) for shape, names in meshes]
+    assert parallelism_name(stand_ins) == name

@@ -53,6 +53,7 @@ from muonkit.distributed.agreement import Setting
 from muonkit.distributed.base import Held
 from muonkit.distributed.dtensor_placement import mesh_group, tensor_jobs
 from muonkit.distributed.executor import PlannedStrategy
+from muonkit.distributed.parallelism import parallelism_name
 from muonkit.distributed.pieces import Box, Job
 
 __all__ = ["DTensorStrategy"]
@@ -66,7 +67,7 @@ class DTensorStrategy(PlannedStrategy):
     :func:`~muonkit.distributed.dtensor_placement.mesh_group`).
     """
 
-    name = "fsdp2"
+    name = "fsdp2"  # or "hsdp", "tp", "fsdp2+tp", "ep+fsdp2"...: set from the meshes (parallelism_name)
 
     def __init__(
         self,
@@ -79,6 +80,7 @@ class DTensorStrategy(PlannedStrategy):
         self.mesh_group = mesh_group(meshes, process_group=process_group)
         super().__init__(self.mesh_group.group)
         self.meshes = meshes
+        self.name = parallelism_name(meshes)
         self.mesh = meshes[0]
         self.replicated = list(replicated)
         self._jobs: dict[Any, list[Job]] = {}  # a param's jobs depend only on its layout: built once
