@@ -1,4 +1,4 @@
-"""The DTensor layout reader on real DTensors: every rank's ``to_local()`` is the box it is said to hold.
+"""The DTensor placement reader on real DTensors: every rank's ``to_local()`` is the box it is said to hold.
 
 Layouts are built with plain torch APIs on 4 and 8 gloo ranks: ``distribute_tensor`` with every
 combination of ``Replicate``, ``Shard`` and ``_StridedShard`` on 1-D, 2-D and 3-D meshes over

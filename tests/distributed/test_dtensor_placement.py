@@ -1,4 +1,4 @@
-"""The DTensor layout reader without ranks: boxes per mesh coordinate, jobs, what raises.
+"""The DTensor placement reader without ranks: boxes per mesh coordinate, jobs, what raises.
 
 Real DTensors (``distribute_tensor``, ``fully_shard``, ``parallelize_module``) at 4 and 8 ranks
 are checked in ``tests/distributed/scenario_dtensor_placement.py``. Here the boxes are checked

@@ -4,7 +4,7 @@ Both helpers follow the DCP recipe: ``get_state_dict`` names every tensor by its
 fully qualified name (without DDP's ``module.`` prefix), DCP writes each rank's pieces once
 (replicated DDP tensors are deduplicated, FSDP2 DTensors saved as shards), and on load DCP reads
 whatever slice each rank now holds. So a checkpoint saved by DDP or FSDP2 at one world size
-loads at another, with either layout, or on one device: optimizer states are keyed by parameter
+loads at another, with either placement, or on one device: optimizer states are keyed by parameter
 name and are whole tensors (or DTensors) shaped like their parameters. Unlike the bare recipe,
 ``load_checkpoint`` reads the optimizer state entries the checkpoint holds, not those the
 optimizer happens to have (a fresh optimizer whose params hold gradients has none, and the bare

@@ -1,26 +1,26 @@
 """Where the parts of a Muon tensor live across ranks: the vocabulary of the one planner.
 
-Every distributed layout (DDP, FSDP2 / HSDP / tensor / expert parallel DTensors on any mesh,
+Every distributed placement (DDP, FSDP2 / HSDP / tensor / expert parallel DTensors on any mesh,
 DeepSpeed ZeRO flat partitions) is described to :mod:`muonkit.distributed.planner` the same way:
 
 - a :class:`Job` is one unit of orthogonalization: a whole tensor (with its own
   :class:`~muonkit.functional.matrices.MatrixLayout`: split blocks, flatten, transposed) or one
   expert matrix of a stack. One rank, its *owner*, orthogonalizes it.
 - a :class:`Piece` says that ``rank`` holds (or needs) the part ``region`` of a job's whole
-  tensor, stored in its local tensor at ``where`` (a key the layout reader understands).
+  tensor, stored in its local tensor at ``where`` (a key the placement reader understands).
 - a region is a :class:`Box` (index runs per dimension of the job's whole shape: row blocks of
   ``Shard(0)``, column blocks of ``Shard(1)``, strided row sets of ``_StridedShard``, their
   products on N-D meshes, the whole tensor for a replicated copy) or a :class:`Span` (a range of
   the job's flattened elements: a piece of a DeepSpeed ZeRO flat partition).
 
 Regions read and write their part of a whole tensor as flat data in the holder's storage order,
-so pieces travel as flat buffers and any layout reassembles exactly.
+so pieces travel as flat buffers and any placement reassembles exactly.
 
 A job's pieces are any sequence of :class:`Piece`: a tuple, or a :class:`Pieces`, the compact
-form of a regular layout (one row block per rank, one expert per rank): the holders' ranks and
+form of a regular placement (one row block per rank, one expert per rank): the holders' ranks and
 regions as one :class:`Holders` shared by every job laid out alike, and one ``where`` for all.
 At thousands of ranks that is one pair of tuples per distinct shape and placement instead of one
-object per job and holder, and what the planner derives from a layout (elements per rank, the
+object per job and holder, and what the planner derives from a placement (elements per rank, the
 distinct regions) is computed once per :class:`Holders`.
 
 Example: a (6, 4) matrix sharded ``Shard(0)`` over 2 ranks::
@@ -210,7 +210,7 @@ def local_part(local: Tensor, piece: Piece) -> Tensor:
 class Holders:
     """Who holds what of a job: ``ranks[i]`` holds ``regions[i]`` (in piece order), and what follows.
 
-    One object per layout, shared by every job laid out alike; the derived views (cached) cost
+    One object per placement, shared by every job placed alike; the derived views (cached) cost
     one pass over the holders, once. Equal when the ranks and regions are.
 
     >>> rows = (Box((((0, 2),),)), Box((((2, 4),),)))

@@ -1,6 +1,6 @@
-"""One planner for every layout: who orthogonalizes each :class:`~muonkit.distributed.pieces.Job`, and from which copies.
+"""One planner for every placement: who orthogonalizes each :class:`~muonkit.distributed.pieces.Job`, and from which copies.
 
-A layout reader (DDP, FSDP2, ZeRO, any DTensor mesh) describes where the parts of every Muon
+A placement reader (DDP, FSDP2, ZeRO, any DTensor mesh) describes where the parts of every Muon
 tensor live as :class:`~muonkit.distributed.pieces.Job` s; :func:`make_plan` turns them into a
 :class:`Plan`, a pure function of the jobs, their costs and the world size, so every rank computes
 the same plan with no communication. :class:`~muonkit.distributed.executor.PlannedStrategy`
@@ -20,7 +20,7 @@ carries it out.
 Every rank's load after a free job lands on it is at most the least load plus the tolerance plus
 that job, and the least load never exceeds the average, so the largest per-rank cost is at most
 ``(1 + tolerance) * total / W + largest job`` (``tolerance=0.1``), except where rule 1 itself
-puts more on one rank (the layout decides that; moving such a job would cost its bytes twice).
+puts more on one rank (the placement decides that; moving such a job would cost its bytes twice).
 The tolerance keeps a straddling ZeRO-1/2 param or a small FSDP matrix on a rank that holds a
 piece of it instead of shipping all of it to a rank that holds nothing.
 

@@ -5,7 +5,7 @@ pass, the same averaged gradient. The elementwise work (momentum, AdamW) is chea
 every rank, so **optimizer state is replicated**: ``state_dict()`` is complete and identical on
 every rank, a checkpoint needs no gather, and it loads at any world size. (Keeping momentum only
 on owners, as Keller Jordan's reference does, saves memory but makes checkpoints differ per rank;
-FSDP2 and ZeRO are the layouts that shard state.)
+FSDP2 and ZeRO are the placements that shard state.)
 
 Orthogonalization is the expensive part, and each matrix needs it only once. Each matrix (each
 expert of a 3D stack, each ``split_sizes`` block; a transposed tensor as a whole) is a

@@ -3,7 +3,7 @@
 The executor (:mod:`muonkit.distributed.executor`) runs two ``all_to_all`` per exchange group:
 pieces to their owners, results back. What a rank sends and receives in each is a pure function
 of the plan and the rank; :func:`rank_schedule` computes it once per plan, in O(jobs + W + the
-rank's own pieces) (the pieces of a regular layout are looked up by rank, not scanned), and keeps
+rank's own pieces) (the pieces of a regular placement are looked up by rank, not scanned), and keeps
 it in the plan's ``memo``. A steady step then does Python work in proportion to what the rank
 itself sends, receives and orthogonalizes, however many ranks there are.
 
@@ -327,7 +327,7 @@ def _result_cuts(plan: Plan, pieces: Sequence[tuple[int, Piece]]) -> tuple[Cuts 
             size = piece.region.numel
             flat = ((cell * size, (cell + 1) * size),)
         elif grids.get(j) is not None:
-            return None, {}  # a flat piece of a job read as a grid: not a layout torch makes
+            return None, {}  # a flat piece of a job read as a grid: not a placement torch makes
         ranges.append((j, flat))
     return Cuts.of(ranges), {j: g for j, g in grids.items() if g is not None}
 
