@@ -12,13 +12,13 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
-# Tests live in folders by capability (contract/, numerics/, checkpoints/, reliability/, stacks/,
+# Tests live in folders by capability (contract/, numerics/, checkpoints/, guarantees/, stacks/,
 # cli/, codebase/, distributed/, deepspeed_engine/, gpu/, bench/); the helpers they share stay here
 # (reference.py, helpers.py, spectra.py...) and are imported as plain modules. The folders have no
 # __init__.py: pytest's default import mode puts each test's folder on sys.path, so a test module's
 # name is unique across folders (pytest stops with "import file mismatch" otherwise), and no folder
-# is named like a package (tests/ is on sys.path: where the package is missing, the folder would
-# stand in for it, as tests/deepspeed did for deepspeed).
+# is named like a package the tests or their dependencies import (tests/ is on sys.path: where the
+# package is missing, the folder would stand in for it, as tests/deepspeed did for deepspeed).
 sys.path.insert(0, os.path.dirname(__file__))
 
 # torch's own test utilities (imported by the torch.optim contract and mesh tests) load a hypothesis
