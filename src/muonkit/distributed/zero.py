@@ -147,7 +147,7 @@ class ZeroStrategy(PlannedStrategy):
         out = []
         for k, (flat, update) in enumerate(zip(params, updates, strict=True)):  # one exchange per partition
             directions = torch.zeros_like(update)  # padding and gaps between params: zero
-            moments = None if rows is None else [rows[k]]  # every param of the partition's, in order
+            moments = None if rows is None else [rows[k]]  # every param of the layout's, in order
             self.run(self.plan(flat, config), [update], [directions], config, rows=moments)
             out.append(directions)
         return out
