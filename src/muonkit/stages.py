@@ -1,7 +1,7 @@
 """The stages of a step that compute and apply updates: Muon's directions and commit, AdamW's step.
 
 :func:`muon_chunks` computes the directions of a group's params without changing any state
-(momentum buffers and NorMuon row moments are read, new ones made but not stored);
+(momentum buffers and the update rule's states are read, new ones made but not stored);
 :func:`commit_muon` stores and advances the momentum the directions were computed from and
 applies them (:func:`muonkit.functional.muon.muon_apply_`), masked on the device by a streamed
 verdict (:class:`muonkit.verdict.Stream`) where there is one. :func:`adamw_step` is
@@ -23,8 +23,8 @@ from torch import Tensor
 from muonkit.config import AdamWConfig, MuonConfig
 from muonkit.distributed import Strategy
 from muonkit.functional.adamw import adamw_
-from muonkit.functional.muon import momentum_, momentum_masked_, muon_apply_, muon_apply_masked_, muon_update
-from muonkit.group_checks import ROWS
+from muonkit.functional.muon import momentum_, momentum_masked_, muon_apply_, muon_apply_masked_, where_
+from muonkit.functional.update_rule import StateSpec
 from muonkit.limits import work_dtype
 from muonkit.state_checks import row_count
 from muonkit.verdict import Stream
@@ -44,8 +44,11 @@ class MuonChunk:
     """Their momentum buffers before the step (new zero ones are not in the state yet)."""
     directions: list[Tensor]
     """Local slices of ``scale * orthogonalize(U)``, ``U`` computed from ``buffers``."""
-    rows: list[Tensor] | None = None
-    """NorMuon: the new row moments, stored when the step commits."""
+    states: list[list[Tensor]] | None = None
+    """The new ``"rows"`` states of the group's update rule (per param, per state), stored when the step commits."""
+    param_states: list[list[tuple[Tensor, Tensor]]] | None = None
+    """The rule's other ``"param"`` states (per param, per state): the state tensor (a new zero one
+    is not in the state yet) and its new local values, written when the step commits."""
 
 
 def muon_chunks(params: list[Tensor], config: MuonConfig, *, strategy: Strategy, state: State) -> Iterator[MuonChunk]:
@@ -61,16 +64,19 @@ def muon_chunks(params: list[Tensor], config: MuonConfig, *, strategy: Strategy,
         group = [params[i] for i in chunk]
         buffers = [_momentum_buffer(p, strategy, state) for p in group]
         grads = [local(cast(Tensor, p.grad)) for p in group]
-        updates = muon_update(  # the whole chunk in one foreach call
-            [local(b) for b in buffers], grads, momentum=config.momentum, nesterov=config.nesterov
-        )
-        if config.normuon:
-            rows = [_row_moments(p, config, strategy, state).clone() for p in group]  # the strategy writes the new ones
-            directions = strategy.directions(group, updates, config, rows=rows)
+        extra = config.rule.param_states
+        held = [[_param_state(p, spec, strategy, state) for spec in extra] for p in group] if extra else []
+        olds = [[local(t) for t in ts] for ts in held]
+        updates, news = config.rule.before([local(b) for b in buffers], grads, olds, config)  # one foreach call
+        param_states = [list(zip(ts, vs, strict=True)) for ts, vs in zip(held, news, strict=True)] if extra else None
+        specs = config.rule.rows_states
+        if specs:  # fresh copies: the strategy writes the new ones into them
+            states = [[_rows_state(p, spec, config, strategy, state).clone() for spec in specs] for p in group]
+            directions = strategy.directions(group, updates, config, states=states)
         else:
-            rows, directions = None, strategy.directions(group, updates, config)
+            states, directions = None, strategy.directions(group, updates, config)
         del updates
-        yield MuonChunk(group, buffers, directions, rows)
+        yield MuonChunk(group, buffers, directions, states, param_states)
 
 
 def _momentum_buffer(p: Tensor, strategy: Strategy, state: State) -> Tensor:
@@ -79,14 +85,20 @@ def _momentum_buffer(p: Tensor, strategy: Strategy, state: State) -> Tensor:
     return strategy.new_state(p, work_dtype(p.dtype)) if buffer is None else buffer
 
 
-def _row_moments(p: Tensor, config: MuonConfig, strategy: Strategy, state: State) -> Tensor:
-    """``p``'s NorMuon row moments, or new zero ones (stored only when the step commits): one
+def _param_state(p: Tensor, spec: StateSpec, strategy: Strategy, state: State) -> Tensor:
+    """``p``'s ``"param"`` state ``spec`` (laid out like ``p``), or a new zero one (stored only when the step commits)."""
+    value = state.get(p, {}).get(spec.key)
+    return strategy.new_state(p, work_dtype(p.dtype)) if value is None else value
+
+
+def _rows_state(p: Tensor, spec: StateSpec, config: MuonConfig, strategy: Strategy, state: State) -> Tensor:
+    """``p``'s ``"rows"`` state ``spec``, or a new zero one (stored only when the step commits): one
     value per matrix row of each whole tensor ``p`` stands for, on every rank."""
-    rows = state.get(p, {}).get(ROWS)
-    if rows is None:
-        count = row_count(p, whole_shapes=strategy.whole_shapes, layout=config.layout) or 0
-        rows = torch.zeros(count, dtype=work_dtype(p.dtype), device=p.device)
-    return rows
+    value = state.get(p, {}).get(spec.key)
+    if value is None:
+        count = row_count(p, spec, whole_shapes=strategy.whole_shapes, layout=config.layout) or 0
+        value = torch.zeros(count, dtype=work_dtype(p.dtype), device=p.device)
+    return value
 
 
 def commit_batches(chunks: Iterable[MuonChunk]) -> Iterator[list[MuonChunk]]:
@@ -139,12 +151,23 @@ def commit_muon(
     for p, buffer in zip(params, buffers, strict=True):
         state[p]["momentum_buffer"] = buffer
     for chunk in chunks:
-        if chunk.rows is not None:
-            for p, rows in zip(chunk.params, chunk.rows, strict=True):
-                old = state[p].get(ROWS)
-                if isinstance(ok, Tensor):  # masked: the old moments (or zeros) unless ok
-                    rows = torch.where(ok, rows, torch.zeros_like(rows) if old is None else old)
-                state[p][ROWS] = rows
+        for p, pairs in zip(chunk.params, chunk.param_states or [], strict=False):
+            for spec, (held, value) in zip(config.rule.param_states, pairs, strict=True):
+                state[p][spec.key] = held
+                if isinstance(ok, Tensor):  # masked: unchanged unless ok
+                    where_([local(held)], [value], ok)
+                else:
+                    local(held).copy_(value)
+    specs = config.rule.rows_states
+    for chunk in chunks:
+        if chunk.states is None:
+            continue
+        for p, values in zip(chunk.params, chunk.states, strict=True):
+            for spec, value in zip(specs, values, strict=True):
+                old = state[p].get(spec.key)
+                if isinstance(ok, Tensor):  # masked: the old values (or zeros) unless ok
+                    value = torch.where(ok, value, torch.zeros_like(value) if old is None else old)
+                state[p][spec.key] = value
     grads = [local(cast(Tensor, p.grad)) for p in params]
     if isinstance(ok, Tensor):
         momentum_masked_([local(b) for b in buffers], grads, momentum=config.momentum, ok=ok)
@@ -165,6 +188,7 @@ def commit_muon(
             weight_decay=rates[1],
             cautious_wd=config.cautious_wd,
         )
+    config.rule.committed([local(p) for p in params], config)
     for chunk in chunks:
         chunk.directions.clear()  # free them now, not when the next chunk replaces this one
 

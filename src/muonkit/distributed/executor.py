@@ -44,6 +44,7 @@ from muonkit.config import MuonConfig
 from muonkit.distributed.agreement import Setting
 from muonkit.distributed.base import Strategy, StrategyStats
 from muonkit.distributed.collectives import Collectives, Pending, group_of
+from muonkit.distributed.compute import RowStates
 from muonkit.distributed.pieces import Box, Job, Piece, Region, Span, local_part
 from muonkit.distributed.planner import Plan, job_cost, make_plan, scale_of, wire_dtype
 from muonkit.distributed.schedule import Cuts, Exchange, Grid, GroupSchedule, rank_schedule
@@ -112,9 +113,14 @@ class PlannedStrategy(Strategy):
         return None
 
     def directions(
-        self, params: list[Tensor], updates: list[Tensor], config: MuonConfig, *, rows: list[Tensor] | None = None
+        self,
+        params: list[Tensor],
+        updates: list[Tensor],
+        config: MuonConfig,
+        *,
+        states: list[list[Tensor]] | None = None,
     ) -> list[Tensor]:
-        self.run(self._plan_for(params, updates, config), updates, updates, config, rows=rows)
+        self.run(self._plan_for(params, updates, config), updates, updates, config, states=states)
         return updates  # scratch (see Strategy): every read of it happens before its region is written
 
     def _plan_for(self, params: list[Tensor], updates: list[Tensor], config: MuonConfig) -> Plan:
@@ -161,17 +167,21 @@ class PlannedStrategy(Strategy):
         out: Sequence[Tensor],
         config: MuonConfig,
         *,
-        rows: Sequence[Tensor] | None = None,
+        states: Sequence[Sequence[Tensor]] | None = None,
     ) -> None:
         """Write into ``out`` (local tensors like ``updates``) this rank's regions of every job's direction.
 
         ``out`` may be ``updates`` itself: a job's regions are read (sent, or viewed by its owner)
-        before they are written, and jobs do not share regions. ``rows`` (NorMuon): each
-        tensor's row moments, whole on every rank; overwritten with the new ones (see
-        :class:`_RowMoments`). What this rank sends, receives and writes comes from its
+        before they are written, and jobs do not share regions. ``states``: each tensor's
+        ``"rows"`` states of the group's update rule, whole on every rank; overwritten with the new
+        ones (see :class:`~muonkit.distributed.compute.RowStates`). What this rank sends, receives and writes comes from its
         :func:`~muonkit.distributed.schedule.rank_schedule`, computed at the plan's first run.
         """
-        moments = _RowMoments(plan, rows) if rows is not None else None
+        moments = None
+        if states is not None:
+            owned = [j for j, owner in enumerate(plan.owners) if owner >= 0] + [s.job for s in plan.splits]
+            jobs = [(job.tensor, job.shape, job.layout) for job in plan.jobs]
+            moments = RowStates(config, states, jobs, owned, plan.memo)
         split = self._start_splits(plan, updates, config)
         exchanges = rank_schedule(plan, self.comm.rank, self.comm.world_size)
         likes = [updates[plan.jobs[group[0]].tensor] for group in plan.groups]
@@ -204,7 +214,7 @@ class PlannedStrategy(Strategy):
         if split is not None:
             split.finish(out)
         if moments is not None:
-            moments.share(self.comm)
+            moments.share(self.comm.all_reduce)
 
     # -- split jobs (muonkit.distributed.split_run) ---------------------------------------------
 
@@ -222,7 +232,7 @@ class PlannedStrategy(Strategy):
         key = ("split schedule", self.comm.rank)
         if key not in plan.memo:  # the same every step: once per plan
             plan.memo[key] = split_schedule(plan, self.comm.rank)
-        run = SplitRun(self.comm, self.stats, plan, plan.memo[key], updates, config, self._all_to_all_lists)
+        run = SplitRun(self.comm, self.compute, plan, plan.memo[key], updates, config, self._all_to_all_lists)
         run.start()
         return run
 
@@ -296,19 +306,19 @@ class PlannedStrategy(Strategy):
         received: tuple[GroupSchedule, list[Tensor]],
         options: NSOptions,
         config: MuonConfig,
-        moments: _RowMoments | None,
+        moments: RowStates | None,
     ) -> list[Tensor]:
-        """Directions of my ``jobs`` (whole, in the update dtype), batched by matrix shape; NorMuon's
-        new row moments of them go into ``moments``. ``received``: the group's schedule and the
+        """Directions of my ``jobs`` (whole, in the update dtype), batched by matrix shape; the new
+        ``"rows"`` states of them go into ``moments``. ``received``: the group's schedule and the
         pieces its gather brought (empty before it arrived)."""
         if not jobs:
             return []
         wholes = [self._whole(plan, j, updates, received) for j in jobs]
         layouts = [plan.jobs[j].layout for j in jobs]
-        rows = None if moments is None else [moments.old(j) for j in jobs]
-        directions, new_rows = self.compute(wholes, layouts, config, options=options, rows=rows)
+        olds = None if moments is None else [moments.old(j) for j in jobs]
+        directions, news = self.compute(wholes, layouts, config, options=options, states=olds)
         if moments is not None:
-            for j, new in zip(jobs, new_rows, strict=True):
+            for j, new in zip(jobs, news, strict=True):
                 moments.computed(j, new)
         return directions
 
@@ -409,58 +419,6 @@ def _parts(
 def _as(result: Tensor, grid: Grid | None) -> Tensor:
     """A result as its pieces are cut from it: itself, or its grid's blocks one after another."""
     return result if grid is None else grid.blocks(result)
-
-
-class _RowMoments:
-    """NorMuon's row moments during one :meth:`PlannedStrategy.run`: old ones in, new ones out, on every rank.
-
-    Each rank keeps every tensor's moments whole (one value per matrix row: tiny). The jobs of a
-    tensor come in the order of its rows (each expert, and in it each ``split_sizes`` block:
-    :func:`~muonkit.functional.normuon.normuon_rows`), so job ``j`` owns the next
-    ``rows(job)`` values of its tensor's vector. The owner of a job computes its new moments
-    from the whole direction; every rank writes those it computed into a zero vector and one
-    ``all_reduce(SUM)`` of all of them gives every rank every new value exactly (each value
-    has one non-zero contributor). Values of no job with an owner (empty matrices) keep the
-    old ones, as on one device.
-    """
-
-    def __init__(self, plan: Plan, rows: Sequence[Tensor]) -> None:
-        self.rows = rows
-        if "row spans" not in plan.memo:  # the same every step: once per plan
-            spans: list[tuple[int, int, int]] = []  # per job: (tensor, start, stop)
-            ends = [0] * len(rows)
-            for job in plan.jobs:
-                count = sum(b.count * b.rows for b in job.layout.blocks(job.shape))
-                spans.append((job.tensor, ends[job.tensor], ends[job.tensor] + count))
-                ends[job.tensor] += count
-            owned = [j for j, owner in enumerate(plan.owners) if owner >= 0] + [s.job for s in plan.splits]
-            plan.memo["row spans"] = (spans, owned)
-        self.spans, self.owned = plan.memo["row spans"]
-        self.sums = [torch.zeros_like(v) for v in rows]
-
-    def old(self, j: int) -> Tensor:
-        t, start, stop = self.spans[j]
-        return self.rows[t][start:stop]
-
-    def computed(self, j: int, new: Tensor) -> None:
-        t, start, stop = self.spans[j]
-        self.sums[t][start:stop] = new
-
-    def computed_part(self, j: int, offset: int, new: Tensor) -> None:
-        """New moments of a split job's rows from ``offset`` on (each member's rows)."""
-        t, start, _ = self.spans[j]
-        self.sums[t][start + offset : start + offset + new.numel()] = new
-
-    def share(self, comm: Collectives) -> None:
-        """The one all-reduce; then ``rows`` hold the new moments."""
-        if not self.rows:
-            return
-        flat = torch.cat([s.reshape(-1) for s in self.sums])
-        comm.all_reduce(flat, op=torch.distributed.ReduceOp.SUM)
-        sums = torch.split(flat, [s.numel() for s in self.sums])
-        for j in self.owned:
-            t, start, stop = self.spans[j]
-            self.rows[t][start:stop] = sums[t][start:stop]
 
 
 def _in_order(region: Region, job: Job) -> bool:

@@ -308,9 +308,10 @@ def _check_job(job: Job, holders: Holders, world_size: int) -> None:
 def wire_dtype(config: MuonConfig, update: Tensor) -> torch.dtype:
     """The dtype orthogonalized matrices travel in: the compute dtype when it is narrower (lossless).
 
-    NorMuon directions are normalized on the owner in the update dtype: they travel in it.
+    Directions an update rule changes after the iteration are computed on the owner in the update
+    dtype: they travel in it.
     """
-    if config.normuon:
+    if config.rule.changes_directions:
         return update.dtype
     compute = config.ns_dtype if config.ns_dtype is not None else default_compute_dtype(update.device)
     return compute if compute.itemsize < update.dtype.itemsize else update.dtype

@@ -36,25 +36,25 @@ import torch
 from torch import Tensor
 
 from muonkit.config import MuonConfig
-from muonkit.distributed.base import StrategyStats
 from muonkit.distributed.collectives import Collectives, Pending
+from muonkit.distributed.compute import Compute
 from muonkit.distributed.pieces import Job, Piece, Region, Span, local_part
 from muonkit.distributed.planner import Plan, wire_dtype
 from muonkit.distributed.schedule import Cuts
 from muonkit.distributed.split_plan import Split
 from muonkit.distributed.split_schedule import Member, Part, SplitSchedule, shifted, slice_of, within
 from muonkit.functional.lr_scaling import lr_scale
-from muonkit.functional.sharded import normuon_normalize_shard, orthogonalize_shard, p_rows, shard_flops
+from muonkit.functional.sharded import p_rows, shard_flops
 
 __all__ = ["SplitRun"]
 
 
 class Moments(Protocol):
-    """NorMuon's row moments during a run (the executor's ``_RowMoments``)."""
+    """The update rule's ``"rows"`` states during a run (:class:`~muonkit.distributed.compute.RowStates`)."""
 
-    def old(self, j: int) -> Tensor: ...
+    def old(self, j: int) -> list[Tensor]: ...
 
-    def computed_part(self, j: int, start: int, new: Tensor) -> None: ...
+    def computed_part(self, j: int, offset: int, new: Sequence[Tensor]) -> None: ...
 
 
 class Exchange(Protocol):
@@ -132,14 +132,20 @@ class SplitRun:
     def __init__(
         self,
         comm: Collectives,
-        stats: StrategyStats,
+        compute: Compute,
         plan: Plan,
         plan_schedule: SplitSchedule,
         updates: Sequence[Tensor],
         config: MuonConfig,
         exchange: Exchange,
     ) -> None:
-        self.comm, self.stats, self.plan, self.schedule = comm, stats, plan, plan_schedule
+        self.comm, self.compute, self.stats, self.plan, self.schedule = (
+            comm,
+            compute,
+            compute.stats,
+            plan,
+            plan_schedule,
+        )
         self.exchange = exchange
         self.updates, self.config = updates, config
         self.gathers: list[tuple[Pending, Tensor, list[tuple[int, int, int, Part]]]] = []
@@ -287,14 +293,14 @@ class SplitRun:
         shard = self._shard(i, split, member, received)
         n, m = job.shape[split.dim], job.shape[1 - split.dim]
         position = sorted(split.ranks).index(self.comm.rank)
-        direction = orthogonalize_shard(
+        after = config.rule.changes_directions
+        direction = self.compute.shard(
             shard, dim=split.dim, size=n, reduce=reduce, coefficients=options.coefficients, steps=options.steps,
             eps=options.eps, dtype=options.dtype, method=options.method, member=(position, len(split.ranks)),
-            gather=gather if split.by_rows else None, scale=1.0 if config.normuon else scale,
+            gather=gather if split.by_rows else None, scale=1.0 if after else scale,
         )  # fmt: skip
-        if config.normuon:
-            assert moments is not None
-            direction = self._normuon(split, member, direction, moments, reduce).mul_(scale)
+        if after:
+            direction = self._after(split, member, direction, moments, reduce).mul_(scale)
         width = split.bounds[member.k + 1] - split.bounds[member.k]
         rows = len(p_rows(m, len(split.ranks), position)) if split.by_rows else None
         self.stats.flops += shard_flops(
@@ -303,25 +309,25 @@ class SplitRun:
         self.stats.matrices += int(member.k == 0)  # one matrix, counted once
         return direction
 
-    def _normuon(
-        self, split: Split, member: Member, o: Tensor, moments: Moments, reduce: Callable[[Tensor], Tensor]
+    def _after(
+        self, split: Split, member: Member, o: Tensor, moments: Moments | None, reduce: Callable[[Tensor], Tensor]
     ) -> Tensor:
-        """NorMuon's normalization of my shard: matrix rows are storage rows (``matrix``) or columns
-        (``transposed``); the shard holds whole rows when it is cut along them."""
+        """The update rule's hook on my shard (:meth:`~muonkit.functional.update_rule.UpdateRule.after_shard`):
+        matrix rows are storage rows (``matrix``) or columns (``transposed``); the shard holds whole
+        rows when it is cut along them, and then the ``"rows"`` states of those rows."""
         job = self.plan.jobs[split.job]
         row_dim = 1 if job.layout.resolved(2) == "transposed" else 0
         rows_cut = split.dim != row_dim
         matrix = o.mT if row_dim == 1 else o
-        v = moments.old(split.job)
         start = 0 if rows_cut else split.bounds[member.k]
-        v = v if rows_cut else v[start : start + matrix.size(0)]
+        olds = [] if moments is None else moments.old(split.job)
+        olds = [v[None] if rows_cut else v[start : start + matrix.size(0)][None] for v in olds]
         cols = job.shape[1 - row_dim]
-        normalized, new = normuon_normalize_shard(
-            matrix[None], v[None], rows_cut=rows_cut, cols=cols, reduce=reduce, beta2=self.config.beta2,
-            eps=self.config.eps,
-        )  # fmt: skip
-        if not rows_cut or member.k == 0:  # each new value from one member
-            moments.computed_part(split.job, start, new[0])
+        normalized, news = self.compute.after_shard(
+            self.config, matrix[None], olds, rows_cut=rows_cut, cols=cols, reduce=reduce
+        )
+        if moments is not None and (not rows_cut or member.k == 0):  # each new value from one member
+            moments.computed_part(split.job, start, [new[0] for new in news])
         return normalized[0].mT if row_dim == 1 else normalized[0]
 
     # -- stage 3 -------------------------------------------------------------------------------

@@ -20,7 +20,6 @@ Given the momentum updates ``U`` of whole parameter tensors, :func:`muon_directi
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -29,7 +28,6 @@ from torch import Tensor
 
 from muonkit.functional.lr_scaling import lr_scale
 from muonkit.functional.matrices import MatrixLayout
-from muonkit.functional.normuon import normuon_normalize, split_rows
 from muonkit.functional.orthogonalize import orthogonalize, orthogonalize_batches
 
 
@@ -150,45 +148,6 @@ def muon_directions(
         return options.orthogonalize_batches(batch, rows=rows, cols=cols)
 
     return _by_shape(updates, layouts, compute, on_batch)
-
-
-def normuon_directions(
-    updates: Sequence[Tensor],
-    rows: Sequence[Tensor],
-    layouts: Sequence[MatrixLayout],
-    options: NSOptions,
-    *,
-    beta2: float,
-    eps: float,
-    on_batch: BatchHook | None = None,
-) -> tuple[list[Tensor], list[Tensor]]:
-    """NorMuon's directions and new row moments (:mod:`muonkit.functional.normuon`) for whole tensors.
-
-    ``rows[i]``: the row moments of ``updates[i]`` (:func:`~muonkit.functional.normuon.normuon_rows`
-    long), not modified. Each matrix is orthogonalized (same-shape matrices batched, as in
-    :func:`muon_directions`), normalized per row, then multiplied by the lr shape scale::
-
-        D = scale(rows, cols) * normuon_normalize(orthogonalize(U), v)
-    """
-    blocks = [split_rows(v, u.shape, layout) for v, u, layout in zip(rows, updates, layouts, strict=True)]
-    new_blocks = [list(b) for b in blocks]
-    plain = dataclasses.replace(options, adjust_lr=None)
-
-    def compute(batch: list[Tensor], r: int, c: int, members: list[tuple[int, int]]) -> Tensor:
-        out = plain.orthogonalize_batches(batch, rows=r, cols=c)
-        v = torch.cat([blocks[ti][bi] for ti, bi in members])
-        out, v_new = normuon_normalize(out, v, beta2=beta2, eps=eps)
-        for (ti, bi), chunk in zip(members, torch.split(v_new, [m.size(0) for m in batch]), strict=True):
-            new_blocks[ti][bi] = chunk
-        scale = lr_scale(options.adjust_lr, r, c)
-        return out if scale == 1.0 else out.mul_(scale)
-
-    directions = _by_shape(updates, layouts, compute, on_batch)
-    new_rows = [
-        v.clone() if not v.numel() else (b[0] if len(b) == 1 else torch.cat(b, dim=1)).reshape(-1).clone()
-        for v, b in zip(rows, new_blocks, strict=True)
-    ]
-    return directions, new_rows
 
 
 def _by_shape(
