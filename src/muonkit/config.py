@@ -116,7 +116,6 @@ class MuonConfig:
             self.ns_steps,
             self.eps,
             self.ns_dtype,
-            self.adjust_lr,
             self.ns_method,
             self.ns_compile,
         )
@@ -335,7 +334,7 @@ def _owner(key: str) -> UpdateRule | None:
     """The update rule whose own key ``key`` is (None: every rule's, or none's)."""
     if key in MUON_KEYS:
         return None
-    return next((rule for name, rule in RULES.items() if key in RULE_KEYS[name]), None)
+    return next((RULES[name] for name, keys in RULE_KEYS.items() if key in keys), None)
 
 
 READ_KEYS: dict[str, tuple[str, ...]] = {**RULE_KEYS, "adamw": ADAMW_KEYS}

@@ -13,7 +13,7 @@ tensors live (local shards, owners, collectives) is the strategy's business; the
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, MutableMapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -23,7 +23,17 @@ from torch import Tensor
 from muonkit.config import AdamWConfig, MuonConfig
 from muonkit.distributed import Strategy
 from muonkit.functional.adamw import adamw_
-from muonkit.functional.muon import momentum_, momentum_masked_, muon_apply_, muon_apply_masked_, where_
+from muonkit.functional.lr_scaling import lr_scale
+from muonkit.functional.muon import (
+    Scale,
+    momentum_,
+    momentum_masked_,
+    muon_apply_,
+    muon_apply_masked_,
+    scale_,
+    tensor_scale,
+    where_,
+)
 from muonkit.functional.update_rule import StateSpec
 from muonkit.limits import work_dtype
 from muonkit.state_checks import row_count
@@ -43,7 +53,10 @@ class MuonChunk:
     buffers: list[Tensor]
     """Their momentum buffers before the step (new zero ones are not in the state yet)."""
     directions: list[Tensor]
-    """Local slices of ``scale * orthogonalize(U)``, ``U`` computed from ``buffers``."""
+    """Local slices of ``orthogonalize(U)``, ``U`` computed from ``buffers`` (multiplied by
+    ``scales`` when the step commits)."""
+    scales: list[Scale]
+    """Each param's lr shape scale (:func:`local_scale`), applied once, at the commit."""
     states: list[list[Tensor]] | None = None
     """The new ``"rows"`` states of the group's update rule (per param, per state), stored when the step commits."""
     param_states: list[list[tuple[Tensor, Tensor]]] | None = None
@@ -76,13 +89,47 @@ def muon_chunks(params: list[Tensor], config: MuonConfig, *, strategy: Strategy,
         else:
             states, directions = None, strategy.directions(group, updates, config)
         del updates
-        yield MuonChunk(group, buffers, directions, states, param_states)
+        scales = [local_scale(p, config, strategy, like=d) for p, d in zip(group, directions, strict=True)]
+        yield MuonChunk(group, buffers, directions, scales, states, param_states)
 
 
 def _momentum_buffer(p: Tensor, strategy: Strategy, state: State) -> Tensor:
     """``p``'s momentum buffer, or a new zero one (stored only when the step commits)."""
     buffer = state.get(p, {}).get("momentum_buffer")
     return strategy.new_state(p, work_dtype(p.dtype)) if buffer is None else buffer
+
+
+_SCALES: dict[Hashable, Scale] = {}
+_SCALES_KEPT = 4096  # local scales kept (one per distinct param layout and setting)
+
+
+def local_scale(p: Tensor, config: MuonConfig, strategy: Strategy, *, like: Tensor) -> Scale:
+    """The lr shape scale of ``p``'s local direction: a number where every matrix of every whole
+    tensor ``p`` stands for has the same one (empty ones have none; no read of where they lie); else per element of the
+    parts this rank holds (:meth:`Strategy.regions`), cached: one tensor (``like``'s dtype) where
+    one part fills the local tensor, else ``(start, stop, value)`` runs of it."""
+    adjust, layout = config.adjust_lr, config.layout
+    shapes = strategy.whole_shapes(p)
+    values = {lr_scale(adjust, b.rows, b.cols) for shape in shapes for b in layout.blocks(shape) if b.rows and b.cols}
+    if len(values) <= 1:
+        return values.pop() if values else 1.0
+    held = strategy.regions(p)
+    key = (held, layout, adjust, tuple(like.shape), like.dtype, like.device)
+    scale = _SCALES.get(key)
+    if scale is None:
+        runs: list[tuple[int, int, float | Tensor]] = []
+        for part in held:
+            if part.region.numel == 0:
+                continue
+            whole = tensor_scale(part.shape, layout, adjust, like=like)
+            value = whole if isinstance(whole, float) else part.region.read(whole).reshape(-1)
+            runs.append((part.offset, part.offset + part.region.numel, value))
+        whole_here = len(runs) == 1 and runs[0][:2] == (0, like.numel()) and isinstance(runs[0][2], Tensor)
+        scale = runs[0][2] if whole_here else tuple(runs)
+        if len(_SCALES) >= _SCALES_KEPT:
+            _SCALES.clear()
+        _SCALES[key] = scale
+    return scale
 
 
 def _param_state(p: Tensor, spec: StateSpec, strategy: Strategy, state: State) -> Tensor:
@@ -140,6 +187,7 @@ def commit_muon(
     params = [p for chunk in chunks for p in chunk.params]
     buffers = [b for chunk in chunks for b in chunk.buffers]
     directions = [d for chunk in chunks for d in chunk.directions]
+    scale_(directions, [s for chunk in chunks for s in chunk.scales])  # the lr shape scale, once
     ok = None if stream is None else stream.check(directions)
     if ok is False:
         for chunk in chunks:

@@ -200,7 +200,8 @@ class Strategy(ABC):
         *,
         states: list[list[Tensor]] | None = None,
     ) -> list[Tensor]:
-        """Local slices of ``scale * orthogonalize(U)`` for each param.
+        """Local slices of ``orthogonalize(U)`` for each param (unscaled: the optimizer applies the lr
+        shape scale when the step commits, :func:`muonkit.stages.local_scale`).
 
         ``updates[i]`` is the local slice of the momentum update of ``params[i]``; the result
         has the same local shape. Each whole matrix is orthogonalized exactly once across ranks.

@@ -13,7 +13,7 @@ on every rank, each job's part handed to its owner, the new values shared in one
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -108,22 +108,23 @@ class RowStates:
     exactly (each value has one non-zero contributor). Values of no job with an owner (empty
     matrices) keep the old ones, as on one device.
 
-    ``jobs``: ``(tensor, shape, layout)`` of each job of the plan, in plan order; ``owned``: the
-    jobs someone computes; ``memo``: the plan's memo (the spans are the same every step).
+    ``describe()``: ``(jobs, owned)``, each job of the plan as ``(tensor, shape, layout)`` in plan
+    order and the jobs someone computes, called once per plan: ``memo`` is the plan's memo (the
+    spans are the same every step).
     """
 
     def __init__(
         self,
         config: MuonConfig,
         states: Sequence[Sequence[Tensor]],
-        jobs: Sequence[tuple[int, tuple[int, ...], MatrixLayout]],
-        owned: Sequence[int],
+        describe: Callable[[], tuple[list[tuple[int, tuple[int, ...], MatrixLayout]], list[int]]],
         memo: dict[Any, Any],
     ) -> None:
         self.states = states
         specs = config.rule.rows_states
         key = ("rows spans", specs)
         if key not in memo:
+            jobs, owned = describe()
             spans: list[list[tuple[int, int, int]]] = []  # per job, per spec: (tensor, start, stop)
             ends = [[0] * len(specs) for _ in states]
             for tensor, shape, layout in jobs:
@@ -133,7 +134,7 @@ class RowStates:
                     mine.append((tensor, ends[tensor][s], ends[tensor][s] + count))
                     ends[tensor][s] += count
                 spans.append(mine)
-            memo[key] = (spans, list(owned))
+            memo[key] = (spans, owned)
         self.spans, self.owned = memo[key]
         self.sums = [[torch.zeros_like(v) for v in vs] for vs in states]
 

@@ -21,18 +21,14 @@ Split jobs (:attr:`~muonkit.distributed.planner.Plan.splits`, a job's Newton-Sch
 group of ranks) go beside these stages (:mod:`muonkit.distributed.split_run`): their pieces leave
 first, their members orthogonalize while the gathers travel, and their results return last.
 
-The lr shape scale is applied as on one device, where ``orthogonalize`` casts its result up to
-the update dtype and multiplies by the scale there: when the wire is narrower, every receiver
-casts its region up and multiplies (a per-element scale read from a whole-shaped map when
-``split_sizes`` blocks differ, cached); otherwise the owner scales in ``muon_directions`` itself
-and sends the scaled values. Either way each direction equals :class:`SingleDeviceStrategy`'s
-bit for bit wherever batched products do not depend on the batch.
+The directions are unscaled: the optimizer multiplies every rank's local direction by the lr
+shape scale when the step commits (:func:`muonkit.stages.local_scale`), as on one device. A
+narrow wire's values cast up exactly on arrival, so each direction equals
+:class:`SingleDeviceStrategy`'s bit for bit wherever batched products do not depend on the batch.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from abc import abstractmethod
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
@@ -46,12 +42,11 @@ from muonkit.distributed.base import Strategy, StrategyStats
 from muonkit.distributed.collectives import Collectives, Pending, group_of
 from muonkit.distributed.compute import RowStates
 from muonkit.distributed.pieces import Box, Job, Piece, Region, Span, local_part
-from muonkit.distributed.planner import Plan, job_cost, make_plan, scale_of, wire_dtype
+from muonkit.distributed.planner import Plan, job_cost, make_plan, wire_dtype
 from muonkit.distributed.schedule import Cuts, Exchange, Grid, GroupSchedule, rank_schedule
 from muonkit.distributed.split_plan import SplitCost, SplitPolicy
 from muonkit.distributed.split_run import SplitRun
 from muonkit.distributed.split_schedule import schedule as split_schedule
-from muonkit.functional.lr_scaling import lr_scale
 from muonkit.functional.matrices import MatrixLayout
 from muonkit.functional.muon import NSOptions
 from muonkit.functional.orthogonalize import default_compute_dtype
@@ -72,8 +67,6 @@ class PlannedStrategy(Strategy):
         self.comm = comm(self.stats) if comm is not None else Collectives(group_of(process_group), self.stats)
         self._plans: dict[Hashable, Plan] = {}
         self._plans_by_layout: dict[Hashable, Plan] = {}
-        self._scales: dict[Hashable, Tensor] = {}
-        self._uniform_scales: dict[Hashable, float] = {}  # nan: blocks of different scales
         self.split_policy = SplitPolicy()
         """When a job's Newton-Schulz runs over a group of ranks (:mod:`muonkit.distributed.split_plan`):
         by default only where it pays. Set it before the first step, e.g. on a strategy given to the
@@ -177,11 +170,7 @@ class PlannedStrategy(Strategy):
         ones (see :class:`~muonkit.distributed.compute.RowStates`). What this rank sends, receives and writes comes from its
         :func:`~muonkit.distributed.schedule.rank_schedule`, computed at the plan's first run.
         """
-        moments = None
-        if states is not None:
-            owned = [j for j, owner in enumerate(plan.owners) if owner >= 0] + [s.job for s in plan.splits]
-            jobs = [(job.tensor, job.shape, job.layout) for job in plan.jobs]
-            moments = RowStates(config, states, jobs, owned, plan.memo)
+        moments = None if states is None else RowStates(config, states, lambda: _describe(plan), plan.memo)
         split = self._start_splits(plan, updates, config)
         exchanges = rank_schedule(plan, self.comm.rank, self.comm.world_size)
         likes = [updates[plan.jobs[group[0]].tensor] for group in plan.groups]
@@ -192,8 +181,7 @@ class PlannedStrategy(Strategy):
         for k, part in enumerate(exchanges):
             like = likes[k]
             wire = wire_dtype(config, like)
-            on_owner = wire == like.dtype  # nothing to cast up on arrival: the owner scales, as one device does
-            options = config.ns_options if on_owner else dataclasses.replace(config.ns_options, adjust_lr=None)
+            options = config.ns_options
             ready = part.ready
             results = dict(
                 zip(ready, self._orthogonalize(plan, ready, updates, (part, []), options, config, moments), strict=True)
@@ -203,14 +191,14 @@ class PlannedStrategy(Strategy):
             rest = [j for j in part.mine if j not in results]
             computed = self._orthogonalize(plan, rest, updates, (part, received), options, config, moments)
             results.update(zip(rest, computed, strict=True))
-            returns.append((on_owner, part, *self._send_back(plan, part, results, wire, like)))
+            returns.append((part, *self._send_back(plan, part, results, wire, like)))
             mine = _parts(results, part.local, part.local_results, part.local_grids)
-            self._write_all(plan, part.local, part.local_cuts, mine, out, config, scaled=on_owner)
-        for on_owner, part, pending, arrived in returns:
+            self._write_all(plan, part.local, part.local_cuts, mine, out)
+        for part, pending, arrived in returns:
             if pending is not None:
                 pending.wait()
             if part.back is not None:
-                self._write_all(plan, part.back.receive, part.back.mine, arrived, out, config, scaled=on_owner)
+                self._write_all(plan, part.back.receive, part.back.mine, arrived, out)
         if split is not None:
             split.finish(out)
         if moments is not None:
@@ -350,57 +338,16 @@ class PlannedStrategy(Strategy):
         cuts: Cuts,
         data: Sequence[Tensor],
         out: Sequence[Tensor],
-        config: MuonConfig,
-        *,
-        scaled: bool,
     ) -> None:
-        """Put each ``data`` (flat, storage order) into my region ``pieces[i]`` of ``out``, scaled
-        unless the owner did: one batched copy and one batched multiply per scale."""
+        """Put each ``data`` (flat, storage order) into my region ``pieces[i]`` of ``out``: one batched copy."""
         views = cuts.views(out)
         if views is None:  # a local tensor stored out of its flat order: piece by piece
             for (j, piece), flat in zip(pieces, data, strict=True):
-                self._write(plan.jobs[j], piece, flat, out, config, scaled=scaled)
+                view = local_part(out[plan.jobs[j].tensor], piece)
+                view.copy_(flat.view(view.shape))
             return
         if views:
             torch._foreach_copy_(views, list(data))
-        if scaled:
-            return
-        by_scale: dict[float, list[Tensor]] = {}
-        for (j, piece), view in zip(pieces, views, strict=True):
-            scale = self._scale(plan.jobs[j], piece, config.adjust_lr, view)
-            if isinstance(scale, Tensor):
-                view.mul_(scale.view(view.shape))
-            else:
-                by_scale.setdefault(scale, []).append(view)
-        for scale, group in by_scale.items():
-            torch._foreach_mul_(group, scale)
-
-    def _write(
-        self, job: Job, piece: Piece, data: Tensor, out: Sequence[Tensor], config: MuonConfig, *, scaled: bool
-    ) -> None:
-        """Put ``data`` (flat, storage order) into my region ``piece`` of ``out``; scale it unless the owner did."""
-        view = local_part(out[job.tensor], piece)
-        view.copy_(data.view(view.shape))
-        if not scaled:
-            scale = self._scale(job, piece, config.adjust_lr, view)
-            view.mul_(scale if isinstance(scale, float) else scale.view(view.shape))
-
-    def _scale(self, job: Job, piece: Piece, adjust_lr: str | None, view: Tensor) -> float | Tensor:
-        """The lr shape scale of ``piece``: a float, or (blocks of different scales) a flat map of it."""
-        uniform = (job.shape, job.layout, adjust_lr)
-        scale = self._uniform_scales.get(uniform)
-        if scale is None:
-            scales = {lr_scale(adjust_lr, b.rows, b.cols) for b in job.layout.blocks(job.shape)}
-            scale = self._uniform_scales[uniform] = scales.pop() if len(scales) == 1 else math.nan
-        if not math.isnan(scale):
-            return scale
-        key = (job.shape, job.layout, piece.region, adjust_lr, view.dtype, view.device)
-        cached = self._scales.get(key)
-        if cached is None:  # split blocks of different scales: cache the region's map
-            flat = scale_of(job, piece.region, adjust_lr, like=view)
-            assert isinstance(flat, Tensor)
-            cached = self._scales[key] = flat
-        return cached
 
 
 def _parts(
@@ -419,6 +366,12 @@ def _parts(
 def _as(result: Tensor, grid: Grid | None) -> Tensor:
     """A result as its pieces are cut from it: itself, or its grid's blocks one after another."""
     return result if grid is None else grid.blocks(result)
+
+
+def _describe(plan: Plan) -> tuple[list[tuple[int, tuple[int, ...], MatrixLayout]], list[int]]:
+    """Each job of ``plan`` as ``(tensor, shape, layout)``, and the jobs an owner or a split computes."""
+    owned = [j for j, owner in enumerate(plan.owners) if owner >= 0] + [s.job for s in plan.splits]
+    return [(job.tensor, job.shape, job.layout) for job in plan.jobs], owned
 
 
 def _in_order(region: Region, job: Job) -> bool:

@@ -11,8 +11,11 @@ Momentum, one fp32 buffer per parameter, EMA form::
 apply only once every update is known.
 
 Given the momentum updates ``U`` of whole parameter tensors, :func:`muon_directions` returns
-``D = scale(rows, cols) * orthogonalize(U)`` per matrix block, with every block of the same
-``(rows, cols)`` across all tensors stacked into one batched call. :func:`muon_apply_` then does
+``O = orthogonalize(U)`` per matrix block, with every block of the same ``(rows, cols)`` across
+all tensors stacked into one batched call. The lr shape scale is applied once, at the update:
+:func:`scale_` makes ``D = scale(rows, cols) * O`` in ``O``'s dtype (each tensor's scale a number,
+or per element where ``split_sizes`` blocks differ: :func:`tensor_scale`), and
+:func:`muon_apply_` then does
 
     W <- W * (1 - lr * wd)      # decoupled, with the unscaled lr
     W <- W - lr * D
@@ -20,6 +23,7 @@ Given the momentum updates ``U`` of whole parameter tensors, :func:`muon_directi
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -101,13 +105,12 @@ def _like_buffers(grads: list[Tensor], buffers: list[Tensor]) -> list[Tensor]:
 
 @dataclass(frozen=True)
 class NSOptions:
-    """How to orthogonalize: the Newton-Schulz schedule and the lr-shape convention."""
+    """How to orthogonalize: the Newton-Schulz schedule (the lr shape scale is the update's: :func:`scale_`)."""
 
     coefficients: str | tuple[tuple[float, float, float], ...] = "polar_express"
     steps: int | None = None
     eps: float = 1e-7
     dtype: torch.dtype | None = None
-    adjust_lr: str | None = "keller"
     method: str = "gram"
     compiled: bool = False
 
@@ -117,7 +120,9 @@ class NSOptions:
         )
 
     def orthogonalize_batches(self, parts: Sequence[Tensor], *, rows: int, cols: int) -> Tensor:
-        """``lr_scale(rows, cols) * orthogonalize(cat(parts))`` for same-shape batches."""
+        """``orthogonalize(cat(parts))`` for same-shape batches of ``rows x cols`` matrices, in the
+        parts' dtype (the lr shape scale is the update's: :func:`scale_`)."""
+        del rows, cols  # the parts' own shape
         return orthogonalize_batches(
             parts,
             coefficients=self.coefficients,
@@ -125,7 +130,6 @@ class NSOptions:
             eps=self.eps,
             dtype=self.dtype,
             method=self.method,
-            scale=lr_scale(self.adjust_lr, rows, cols),
             compiled=self.compiled,
         )
 
@@ -141,13 +145,65 @@ def muon_directions(
     *,
     on_batch: BatchHook | None = None,
 ) -> list[Tensor]:
-    """Scaled orthogonalized directions for whole tensors, same shapes and dtypes as ``updates``."""
+    """Orthogonalized directions ``O`` for whole tensors, same shapes and dtypes as ``updates``
+    (unscaled: :func:`scale_` applies the lr shape scale at the update)."""
 
     def compute(batch: list[Tensor], rows: int, cols: int, members: list[tuple[int, int]]) -> Tensor:
         del members
         return options.orthogonalize_batches(batch, rows=rows, cols=cols)
 
     return _by_shape(updates, layouts, compute, on_batch)
+
+
+Scale = float | Tensor | tuple[tuple[int, int, float | Tensor], ...]
+"""A direction's lr shape scale: one number; a tensor of one value per element (``split_sizes``
+blocks of different scales); or ``(start, stop, value)`` runs of the flattened local tensor, each
+a number or a flat tensor (a local tensor holding parts of several whole tensors)."""
+
+
+def tensor_scale(shape: Sequence[int], layout: MatrixLayout, adjust_lr: str | None, *, like: Tensor) -> float | Tensor:
+    """The lr shape scale of a whole tensor of ``shape``: a number where every block of ``layout``
+    has the same one, else a tensor of ``shape`` (``like``'s dtype and device) of each element's."""
+    blocks = layout.blocks(tuple(shape))
+    scales = [lr_scale(adjust_lr, b.rows, b.cols) if b.rows and b.cols else 1.0 for b in blocks]  # empty: no element
+    if len(set(scales)) == 1:
+        return scales[0]
+    full = [torch.full((b.count, b.rows, b.cols), s, dtype=like.dtype) for b, s in zip(blocks, scales, strict=True)]
+    return layout.from_matrices(full, tuple(shape)).to(like.device)
+
+
+def scale_(directions: Sequence[Tensor], scales: Sequence[Scale]) -> None:
+    """``D <- scale * D`` in place, in ``D``'s dtype (rounded once): one ``_foreach_mul_`` per distinct
+    number (a ``mul_`` per tensor on the CPU), one ``mul_`` per per-element scale. Scales of 1 are skipped."""
+    by_value: dict[float, list[Tensor]] = {}
+    for d, scale in zip(directions, scales, strict=True):
+        if isinstance(scale, float):
+            by_value.setdefault(scale, []).append(d)
+        elif isinstance(scale, Tensor):
+            d.mul_(scale.view(d.shape))
+        else:
+            flat = d.view(-1)
+            for start, stop, value in scale:
+                part = flat[start:stop]
+                if isinstance(value, Tensor):
+                    part.mul_(value)
+                else:
+                    by_value.setdefault(value, []).append(part)
+    for value, group in by_value.items():
+        if value == 1.0 or not group:
+            continue
+        if group[0].device.type == "cpu":  # the CPU's foreach is a loop of out-of-place products and copies
+            for d in group:  # a held 0-dim CPU tensor: the product of a Python number, without wrapping it
+                d.mul_(_number(value, d.dtype))
+        else:
+            torch._foreach_mul_(group, value)
+
+
+@functools.lru_cache(maxsize=256)
+def _number(value: float, dtype: torch.dtype) -> Tensor:
+    """``value`` as a 0-dim CPU tensor of ``dtype``: what ``mul_(value)`` multiplies by (a wrapped
+    number rounded to the tensor's dtype), made once."""
+    return torch.tensor(value, dtype=dtype)
 
 
 def _by_shape(

@@ -200,11 +200,11 @@ def normuon_directions(
     eps: float,
     on_batch: BatchHook | None = None,
 ) -> tuple[list[Tensor], list[Tensor]]:
-    """NorMuon's directions and new row moments for whole tensors (:func:`~muonkit.functional.muon.rule_directions`
+    """NorMuon's directions and new row moments for whole tensors (:func:`~muonkit.functional.update_rule.rule_directions`
     of :data:`NORMUON`): ``rows[i]``, the row moments of ``updates[i]`` (:func:`normuon_rows` long),
     are not modified::
 
-        D = scale(rows, cols) * normuon_normalize(orthogonalize(U), v)
+        O = normuon_normalize(orthogonalize(U), v)    # the update multiplies it by the lr shape scale
     """
     directions, states = rule_directions(
         updates, layouts, options, rule=NORMUON, settings=_Settings(eps, beta2), states=[[v] for v in rows],

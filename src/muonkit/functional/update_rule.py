@@ -45,7 +45,6 @@ Example::
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
@@ -53,7 +52,6 @@ from typing import Any, Literal, Protocol
 import torch
 from torch import Tensor
 
-from muonkit.functional.lr_scaling import lr_scale
 from muonkit.functional.matrices import MatrixLayout
 from muonkit.functional.muon import BatchHook, NSOptions, _by_shape, muon_directions, muon_update
 from muonkit.functional.sharded import Reduce
@@ -153,8 +151,8 @@ class UpdateRule:
 
     @property
     def changes_directions(self) -> bool:
-        """Whether :meth:`after` does anything: the lr shape scale then comes after it, and the
-        directions travel in the update dtype (they are no longer the compute dtype's values)."""
+        """Whether :meth:`after` does anything: the directions then travel in the update dtype
+        (they are no longer the compute dtype's values)."""
         return type(self).after is not UpdateRule.after
 
     def keys(self, base: Sequence[str]) -> tuple[str, ...]:
@@ -212,9 +210,9 @@ def rule_directions(
     ``states[i]``: the ``"rows"`` states of ``updates[i]`` (one vector per entry of
     ``rule.rows_states``), not modified. Where the rule changes the orthogonalized matrices
     (:meth:`~muonkit.functional.update_rule.UpdateRule.after`), each same-shape batch is
-    orthogonalized, handed to the rule with its states, then multiplied by the lr shape scale::
+    orthogonalized and handed to the rule with its states::
 
-        D = scale(rows, cols) * after(orthogonalize(U), v)
+        O = after(orthogonalize(U), v)      # the update multiplies it by the lr shape scale
 
     else these are :func:`muon_directions` (the states, if any, copied unchanged; no states: ``[]``).
     """
@@ -228,17 +226,15 @@ def rule_directions(
         for vs, u, layout in zip(olds, updates, layouts, strict=True)
     ]  # [tensor][state][block]
     new_blocks = [[list(b) for b in bs] for bs in blocks]
-    plain = dataclasses.replace(options, adjust_lr=None)
 
     def compute(batch: list[Tensor], r: int, c: int, members: list[tuple[int, int]]) -> Tensor:
-        out = plain.orthogonalize_batches(batch, rows=r, cols=c)
+        out = options.orthogonalize_batches(batch, rows=r, cols=c)
         old = [torch.cat([blocks[ti][s][bi] for ti, bi in members]) for s in range(len(specs))]
         out, new = rule.after(out, old, settings)
         for s, v_new in enumerate(new):
             for (ti, bi), chunk in zip(members, torch.split(v_new, [m.size(0) for m in batch]), strict=True):
                 new_blocks[ti][s][bi] = chunk
-        scale = lr_scale(options.adjust_lr, r, c)
-        return out if scale == 1.0 else out.mul_(scale)
+        return out
 
     directions = _by_shape(updates, layouts, compute, on_batch)
     new_states = [
