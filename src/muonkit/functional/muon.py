@@ -174,7 +174,12 @@ def tensor_scale(shape: Sequence[int], layout: MatrixLayout, adjust_lr: str | No
 
 def scale_(directions: Sequence[Tensor], scales: Sequence[Scale]) -> None:
     """``D <- scale * D`` in place, in ``D``'s dtype (rounded once): one ``_foreach_mul_`` per distinct
-    number (a ``mul_`` per tensor on the CPU), one ``mul_`` per per-element scale. Scales of 1 are skipped."""
+    number (a ``mul_`` per tensor on the CPU), one ``mul_`` per per-element scale. Scales of 1 are skipped.
+
+    The product is the one the step always formed (the orthogonalized matrix in the update dtype,
+    times the scale, rounded once), except with an ``ns_dtype`` wider than the update's (fp64
+    Newton-Schulz for fp32 updates), where it used to be formed in the compute dtype before the
+    cast: the direction is now rounded first (a last-bit difference)."""
     by_value: dict[float, list[Tensor]] = {}
     for d, scale in zip(directions, scales, strict=True):
         if isinstance(scale, float):
