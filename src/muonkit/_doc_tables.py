@@ -72,7 +72,7 @@ def group_key(keyword: str) -> str:
     if keyword in GROUP_DEFAULT_KEYWORDS:
         key, owner = GROUP_DEFAULT_KEYWORDS[keyword]
         return f"`{key}` ({owner})"
-    own = set(GROUP_DEFAULT_KEYWORDS.values())  # (eps, "normuon") is normuon_eps's, not eps's
+    own = set(GROUP_DEFAULT_KEYWORDS.values())  # a rule's own eps is its keyword's, not eps's
     readers = [a for a in ALGORITHMS if keyword in READ_KEYS[a] and (keyword, a) not in own]
     return f"`{keyword}` ({', '.join(readers)})"
 

@@ -21,6 +21,8 @@ from muonkit.functional.lr_scaling import ADJUST_LR_CHOICES
 from muonkit.functional.matrices import LAYOUT_KINDS, MatrixLayout
 from muonkit.functional.muon import NSOptions
 from muonkit.functional.orthogonalize import METHODS, default_compute_dtype, orthogonalization_flops
+from muonkit.functional.rules import RULES, rule_keywords, rule_of
+from muonkit.functional.update_rule import UpdateRule
 from muonkit.functional.validation import eps as _eps
 from muonkit.functional.validation import flag as _bool
 from muonkit.functional.validation import nonneg as _nonneg
@@ -30,15 +32,17 @@ from muonkit.functional.validation import positive_int as _positive_int
 from muonkit.functional.validation import real
 from muonkit.functional.validation import unit as _unit
 
-ALGORITHMS: tuple[str, ...] = ("muon", "normuon", "adamw")
-MATRIX_ALGORITHMS: tuple[str, ...] = ("muon", "normuon")
-"""The algorithms that orthogonalize (routed alike: >= 2D hidden matrices)."""
+MATRIX_ALGORITHMS: tuple[str, ...] = tuple(RULES)
+"""The algorithms that orthogonalize, one per update rule (routed alike: >= 2D hidden matrices)."""
+ALGORITHMS: tuple[str, ...] = (*MATRIX_ALGORITHMS, "adamw")
 MUON_KEYS = (
     "lr", "momentum", "nesterov", "ns_coefficients", "ns_steps", "eps", "weight_decay",
     "adjust_lr", "layout", "split_sizes", "ns_dtype", "ns_method", "cautious_wd", "ns_compile",
 )  # fmt: skip
-NORMUON_KEYS = (*MUON_KEYS, "beta2")
-"""A NorMuon group's keys: Muon's, ``beta2``, and ``eps`` as NorMuon's (see :class:`MuonConfig`)."""
+RULE_KEYS: dict[str, tuple[str, ...]] = {name: rule.keys(MUON_KEYS) for name, rule in RULES.items()}
+"""Each update rule's group keys: Muon's and the rule's own (:attr:`UpdateRule.hyperparameters`)."""
+MATRIX_KEYS: tuple[str, ...] = tuple(dict.fromkeys(k for keys in RULE_KEYS.values() for k in keys))
+"""Every key a group of some update rule has."""
 ADAMW_KEYS = ("lr", "betas", "eps", "weight_decay", "cautious_wd")
 SCHEDULER_KEYS = ("initial_lr", "max_lr", "min_lr", "base_momentum", "max_momentum", "swa_lr")
 """Keys torch's lr schedulers and SWA write into param groups (a group copied from a scheduled
@@ -47,14 +51,14 @@ GROUP_KEYS: tuple[str, ...] = (
     "params",
     "param_names",
     "algorithm",
-    *dict.fromkeys(NORMUON_KEYS + ADAMW_KEYS),
+    *dict.fromkeys(MATRIX_KEYS + ADAMW_KEYS),
     *SCHEDULER_KEYS,
 )
 """Every key a param group handed to :class:`muonkit.HybridMuon` may have."""
 KEY_ALIASES = {"adjust_lr_fn": "adjust_lr", "beta1": "betas", "beta2": "betas"}  # torch.optim.Muon, AdamW's parts
 GROUP_DEFAULT_KEYWORDS = {
     "adamw_lr": ("lr", "adamw"), "adamw_eps": ("eps", "adamw"), "adamw_weight_decay": ("weight_decay", "adamw"),
-    "normuon_beta2": ("beta2", "normuon"), "normuon_eps": ("eps", "normuon"),
+    **{keyword: (h.key, rule.name) for keyword, (rule, h) in rule_keywords().items()},
 }  # fmt: skip
 """HybridMuon's keywords that are the defaults of one algorithm's groups: ``{keyword: (its key in a
 group of that algorithm, the algorithm)}``."""
@@ -73,11 +77,11 @@ TORCH_ONLY_KEYS = ("amsgrad", "maximize", "foreach", "fused", "capturable", "dif
 
 @dataclass(frozen=True)
 class MuonConfig:
-    """Hyperparameters of a Muon or NorMuon group (see :class:`muonkit.HybridMuon` for their meaning).
+    """Hyperparameters of a group of one update rule (see :class:`muonkit.HybridMuon` for their meaning).
 
-    ``algorithm="normuon"`` adds NorMuon's row normalization (:mod:`muonkit.functional.normuon`)
-    with ``beta2`` and ``eps``; in a NorMuon group ``eps`` is both that denominator's guard and
-    Newton-Schulz's normalization margin (NorMuon's default, 1e-8, instead of Muon's 1e-7).
+    ``algorithm`` names the rule (:attr:`rule`, :mod:`muonkit.functional.rules`); ``rule_settings``
+    holds the values of the rule's own keys (``(key, value)`` pairs, read by :meth:`setting`). A
+    rule may change the default of a key every group has (``eps``, also Newton-Schulz's margin).
     """
 
     lr: float
@@ -93,13 +97,17 @@ class MuonConfig:
     ns_method: str = "gram"
     cautious_wd: bool = False
     algorithm: str = "muon"
-    beta2: float = DEFAULTS.normuon_beta2
+    rule_settings: tuple[tuple[str, Any], ...] = ()
     ns_compile: bool = False
 
     @property
-    def normuon(self) -> bool:
-        """Whether this is a NorMuon group."""
-        return self.algorithm == "normuon"
+    def rule(self) -> UpdateRule:
+        """The group's update rule."""
+        return rule_of(self.algorithm)
+
+    def setting(self, key: str) -> Any:
+        """The value of the rule's own key ``key`` in this group."""
+        return dict(self.rule_settings)[key]
 
     @property
     def ns_options(self) -> NSOptions:
@@ -108,7 +116,6 @@ class MuonConfig:
             self.ns_steps,
             self.eps,
             self.ns_dtype,
-            self.adjust_lr,
             self.ns_method,
             self.ns_compile,
         )
@@ -220,8 +227,13 @@ def _frozen(value: Any) -> Any:
 
 
 def _muon_config(g: Mapping[str, Any], algorithm: str = "muon") -> MuonConfig:
-    if algorithm == "muon" and "beta2" in g:
-        raise ValueError(f"Invalid beta2={g['beta2']!r} in a Muon group: beta2 is NorMuon's; set algorithm='normuon'")
+    rule = rule_of(algorithm)
+    for key in g:
+        owner = _owner(key)
+        if owner is not None and owner is not rule and key not in RULE_KEYS[algorithm]:
+            raise ValueError(
+                f"Invalid {key}={g[key]!r} in a {rule.title} group: {key} is {owner.title}'s; set algorithm={owner.name!r}"
+            )
     ns_coefficients = g["ns_coefficients"]
     ns_steps = _ns_steps("ns_steps", g["ns_steps"])
     resolve_preset(ns_coefficients, steps=ns_steps)  # raises on a bad preset
@@ -257,7 +269,7 @@ def _muon_config(g: Mapping[str, Any], algorithm: str = "muon") -> MuonConfig:
         ns_method=ns_method,
         cautious_wd=_bool("cautious_wd", g.get("cautious_wd", DEFAULTS.cautious_wd)),
         algorithm=algorithm,
-        beta2=_unit("beta2", g["beta2"]) if algorithm == "normuon" else DEFAULTS.normuon_beta2,
+        rule_settings=tuple((h.key, h.check(h.key, g[h.key])) for h in rule.hyperparameters if not h.shared),
         ns_compile=_bool("ns_compile", g.get("ns_compile", False)),
     )
 
@@ -307,11 +319,25 @@ def check_group_keys(
         algorithm = group.get("algorithm", algorithm)
         raise ValueError(
             f"Unknown key {key!r}{where}{key_hint(key, allowed, algorithm=algorithm)}: Muon groups take "
-            f"{MUON_KEYS}, NorMuon groups also 'beta2', AdamW groups {ADAMW_KEYS}"
+            f"{MUON_KEYS}, {_RULES_ALSO}AdamW groups {ADAMW_KEYS}"
         )
 
 
-READ_KEYS: dict[str, tuple[str, ...]] = {"muon": MUON_KEYS, "normuon": NORMUON_KEYS, "adamw": ADAMW_KEYS}
+_RULES_ALSO = "".join(
+    f"{rule.title} groups also {', '.join(repr(k) for k in RULE_KEYS[name][len(MUON_KEYS) :])}, "
+    for name, rule in RULES.items()
+    if len(RULE_KEYS[name]) > len(MUON_KEYS)
+)
+
+
+def _owner(key: str) -> UpdateRule | None:
+    """The update rule whose own key ``key`` is (None: every rule's, or none's)."""
+    if key in MUON_KEYS:
+        return None
+    return next((RULES[name] for name, keys in RULE_KEYS.items() if key in keys), None)
+
+
+READ_KEYS: dict[str, tuple[str, ...]] = {**RULE_KEYS, "adamw": ADAMW_KEYS}
 """The hyperparameters each algorithm's step reads (besides ``params``, ``param_names``,
 ``algorithm`` and the :data:`SCHEDULER_KEYS`)."""
 
@@ -374,8 +400,9 @@ def key_hint(key: Any, allowed: Sequence[str], *, algorithm: Any = None) -> str:
         return f" (torch.optim's {key} option is not supported)"
     if key in KEY_ALIASES and KEY_ALIASES[key] in allowed:
         return f" (did you mean {KEY_ALIASES[key]!r}?)"
-    if key in NORMUON_KEYS + ADAMW_KEYS:  # allowed elsewhere: muon_options={"betas": ...}
-        owner = "a Muon" if key in MUON_KEYS else "a NorMuon" if key in NORMUON_KEYS else "an AdamW"
+    if key in MATRIX_KEYS + ADAMW_KEYS:  # allowed elsewhere: muon_options={"betas": ...}
+        rule = _owner(key)
+        owner = "a Muon" if key in MUON_KEYS else f"a {rule.title}" if rule is not None else "an AdamW"
         return f" ({key!r} is {owner} setting)"
     close = difflib.get_close_matches(key, allowed, n=1, cutoff=0.75)
     return f" (did you mean {close[0]!r}?)" if close else ""
@@ -397,7 +424,7 @@ def plain_hyperparameters(group: Mapping[str, Any]) -> dict[str, Any]:
         "betas",
         "split_sizes",
         "ns_coefficients",
-        "beta2",
+        *(h.key for rule in RULES.values() for h in rule.hyperparameters),
     ):
         if key in out:
             out[key] = _plain(out[key])

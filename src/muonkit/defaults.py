@@ -15,12 +15,13 @@ from __future__ import annotations
 import inspect
 import typing
 from collections.abc import Collection
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields, make_dataclass
 from typing import Any, Literal, TypeVar
 
 import torch
 
 from muonkit.functional.coefficients import KELLER
+from muonkit.functional.rules import rule_keywords
 
 
 def _setting(default: Any, *, what: str, why: str = "", shown: str = "") -> Any:
@@ -30,14 +31,8 @@ def _setting(default: Any, *, what: str, why: str = "", shown: str = "") -> Any:
 
 
 @dataclass(frozen=True)
-class Defaults:
-    """The defaults of every hyperparameter, in one place.
-
-    :class:`muonkit.HybridMuon`'s keywords, the DeepSpeed config reader
-    (:mod:`muonkit.integrations.deepspeed_config`), the Hugging Face ``make_optimizer``,
-    torchtitan's container and the README's table all take their values from :data:`DEFAULTS`;
-    :class:`muonkit.Muon` from :data:`TORCH_MUON_DEFAULTS` (torch.optim.Muon's).
-    """
+class _Settings:
+    """The optimizer-wide keywords of the optimizer itself; :class:`Defaults` adds the update rules'."""
 
     lr: float = _setting(
         0.02,
@@ -114,16 +109,6 @@ class Defaults:
     nonfinite: Literal["skip", "raise", "unchecked"] = _setting(
         "skip", what='"skip", "raise", "unchecked" (DeepSpeed\'s own overflow check runs first)', why="see below"
     )
-    normuon_beta2: float = _setting(
-        0.95,
-        what="NorMuon's row second-moment decay",
-        why="NorMuon groups' row second-moment decay (the paper's); section \"What large models train with\"",
-    )
-    normuon_eps: float = _setting(
-        1e-8,
-        what="NorMuon's eps (its groups' eps, also for Newton-Schulz)",
-        why="NorMuon groups' eps (also their Newton-Schulz margin), the paper's",
-    )
     cautious_wd: bool = _setting(
         False,
         what="decay only where the update and the weight agree in sign",
@@ -144,6 +129,40 @@ class Defaults:
     )
 
 
+_RULES_AFTER = "nonfinite"
+"""The update rules' keywords (:mod:`muonkit.functional.rules`) follow this one, in registry order."""
+
+
+def _with_rule_keywords() -> type:
+    """:class:`_Settings`' fields with every update rule's keywords, as one frozen dataclass."""
+    hints = typing.get_type_hints(_Settings)
+    own = [(f.name, hints[f.name], field(default=f.default, metadata=f.metadata)) for f in fields(_Settings)]
+    at = [name for name, _, _ in own].index(_RULES_AFTER) + 1
+    added = [
+        (keyword, type(h.default), _setting(h.default, what=h.what, why=h.why))
+        for keyword, (_, h) in rule_keywords().items()
+    ]
+    return make_dataclass(
+        "Defaults",
+        own[:at] + added + own[at:],
+        frozen=True,
+        namespace={
+            "__module__": __name__,
+            "__doc__": """The defaults of every hyperparameter, in one place.
+
+    :class:`muonkit.HybridMuon`'s keywords, the DeepSpeed config reader
+    (:mod:`muonkit.integrations.deepspeed_config`), the Hugging Face ``make_optimizer``,
+    torchtitan's container and the README's table all take their values from :data:`DEFAULTS`;
+    :class:`muonkit.Muon` from :data:`TORCH_MUON_DEFAULTS` (torch.optim.Muon's). The fields are
+    :class:`_Settings`' and, after ``nonfinite``, each update rule's keywords
+    (:class:`muonkit.functional.update_rule.Hyperparameter`).
+    """,
+        },
+    )
+
+
+Defaults: Any = _with_rule_keywords()
+"""The type of :data:`DEFAULTS`: one field per optimizer-wide keyword."""
 DEFAULTS = Defaults()
 """:class:`muonkit.HybridMuon`'s defaults."""
 TORCH_MUON_DEFAULTS = Defaults(lr=1e-3, weight_decay=0.1, ns_coefficients=KELLER.steps[0], ns_steps=5)

@@ -18,10 +18,8 @@ from torch import Tensor
 
 from muonkit.config import MuonConfig, key_hint
 from muonkit.distributed import Strategy
+from muonkit.functional.rules import WHOLE_STATES
 from muonkit.shapes import full_shape
-
-ROWS = "row_exp_avg_sq"
-"""NorMuon's state: one value per matrix row of the whole param (see :mod:`muonkit.functional.normuon`)."""
 
 SWAPPED_PARAMS = (
     ". add_param_group checked this group, so its params were replaced afterwards: DeepSpeed ZeRO hands "
@@ -84,7 +82,7 @@ def check_muon_params(
     shapes: Sequence[tuple[int, ...]] | None = None,
     hint: str = "; put it in an algorithm='adamw' group",
 ) -> None:
-    """The tensors of a Muon or NorMuon group (validated as ``config``) are matrices its layout can cut.
+    """The tensors of a group of an update rule (validated as ``config``) are matrices its layout can cut.
 
     ``shapes``: the whole tensors behind ``params`` when they differ (a strategy's ``whole_shapes``).
     ``hint``: the advice after a < 2-D tensor's error."""
@@ -149,8 +147,8 @@ def check_state_fits(state: Mapping[str, Any], p: Tensor, local: Callable[[Tenso
     """A param whose shape or device changed after it got state (or whose grad does not fit it) raises."""
     shape, device = tuple(local(p).shape), p.device
     named = {"grad": cast(Tensor, p.grad)} | {
-        k: v for k, v in state.items() if isinstance(v, Tensor) and v.ndim > 0 and k != ROWS
-    }  # NorMuon's row moments are whole on every rank, checked on load
+        k: v for k, v in state.items() if isinstance(v, Tensor) and v.ndim > 0 and k not in WHOLE_STATES
+    }  # rows states are whole on every rank, checked on load
     for key, value in named.items():
         if tuple(local(value).shape) != shape or value.device != device:
             raise ValueError(

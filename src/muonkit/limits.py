@@ -86,6 +86,7 @@ def _param_limit(
         update = overflow.adamw_update_bound(lr=config.lr, beta1=config.beta1, eps=config.eps, state_dtype=work)
     else:
         top = output_bound(config.ns_coefficients, steps=config.ns_steps)
+        factor = config.rule.direction_factor  # the update rule's, beyond an orthogonalized matrix
         blocks = [b for shape in shapes for b in config.layout.blocks(shape) if b.rows and b.cols]  # empty: no update
         update = max(
             (
@@ -93,7 +94,7 @@ def _param_limit(
                     lr=config.lr,
                     top=top,
                     scale=lr_scale(config.adjust_lr, b.rows, b.cols),
-                    rows_cols=(b.rows, b.cols) if config.normuon else None,
+                    factor=1.0 if factor is None else factor(b.rows, b.cols),
                 )
                 for b in blocks
             ),

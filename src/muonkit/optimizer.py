@@ -43,6 +43,7 @@ from muonkit.config import (
 from muonkit.defaults import DEFAULTS, Defaults
 from muonkit.distributed import Strategy, world_size
 from muonkit.distributed.agreement import settings_of
+from muonkit.functional.rules import RULES, rule_keywords
 from muonkit.group_checks import (
     check_keywords,
     check_muon_params,
@@ -67,8 +68,9 @@ NonFinite = Literal["skip", "raise", "unchecked"]
 NONFINITE_CHOICES: tuple[str, ...] = ("skip", "raise", "unchecked")
 
 _PICKLED = {
-    "_strategy", "_process_group", "_built_distributed", "skipped_steps", "_adamw_defaults", "_normuon_defaults",
-    "_held_rates", *(f.name for f in fields(Defaults) if f.name in OPTIMIZER_KEYWORDS),
+    "_strategy", "_process_group", "_built_distributed", "skipped_steps", "_adamw_defaults",
+    *(f"_{name}_defaults" for name in RULES), "_held_rates",
+    *(f.name for f in fields(Defaults) if f.name in OPTIMIZER_KEYWORDS),
 }  # fmt: skip
 """What ``copy.deepcopy`` and pickle keep of ours, besides torch's defaults, state and groups: the
 optimizer-wide keywords (``nonfinite``, ``capturable``: attributes of the same name) and our state."""
@@ -77,7 +79,8 @@ optimizer-wide keywords (``nonfinite``, ``capturable``: attributes of the same n
 class HybridMuon(Optimizer):
     r"""Muon for hidden matrices, AdamW for everything else, in one optimizer.
 
-    Each param group has ``algorithm="muon"``, ``"normuon"`` or ``"adamw"`` and may override any
+    Each param group has an ``algorithm`` (``"muon"``, another update rule of
+    :mod:`muonkit.functional.rules`, or ``"adamw"``) and may override any
     hyperparameter under its group key. Muon groups, for a weight ``W`` with gradient ``G``::
 
         M <- momentum*M + (1 - momentum)*G              # fp32 buffer, never touches p.grad
@@ -102,8 +105,9 @@ class HybridMuon(Optimizer):
         ns_method: ``"gram"`` (default: the Gram iteration where the aspect ratio is >= 2 and the
             compute dtype is fp32/fp64) or ``"newton_schulz"`` (always on ``X``, as torch).
         adamw_lr, betas, adamw_eps, adamw_weight_decay: AdamW defaults.
-        normuon_beta2, normuon_eps: the ``beta2`` and ``eps`` of ``algorithm="normuon"`` groups
-            (:mod:`muonkit.functional.normuon`).
+        rule_keywords: each update rule's defaults for its groups (``{rule}_{key}=``, e.g. a
+            rule's ``beta2``: :class:`muonkit.functional.update_rule.Hyperparameter`), listed
+            with their defaults in :class:`muonkit.defaults.Defaults`.
         cautious_wd: default of every group's ``cautious_wd``: decay only the entries whose
             update and weight agree in sign (:func:`muonkit.functional.cautious_decay_`).
         nonfinite: ``"skip"`` (default), ``"raise"`` or ``"unchecked"``: what a non-finite (or
@@ -149,8 +153,6 @@ class HybridMuon(Optimizer):
         betas: tuple[float, float] = DEFAULTS.betas,
         adamw_eps: float = DEFAULTS.adamw_eps,
         adamw_weight_decay: float = DEFAULTS.adamw_weight_decay,
-        normuon_beta2: float = DEFAULTS.normuon_beta2,
-        normuon_eps: float = DEFAULTS.normuon_eps,
         cautious_wd: bool = DEFAULTS.cautious_wd,
         nonfinite: NonFinite = DEFAULTS.nonfinite,
         capturable: bool = DEFAULTS.capturable,
@@ -159,6 +161,7 @@ class HybridMuon(Optimizer):
         strategy: Strategy | None = None,
         **unknown: Any,  # only to answer torch's keywords (adjust_lr_fn=, foreach=...) with a hint
     ) -> None:
+        rule_values = {k: unknown.pop(k, getattr(DEFAULTS, k)) for k in rule_keywords()}
         if unknown:
             check_keywords(type(self).__name__, unknown, tuple(inspect.signature(HybridMuon.__init__).parameters)[2:-1])
         if isinstance(params, torch.nn.Module):
@@ -178,7 +181,9 @@ class HybridMuon(Optimizer):
         self._adamw_defaults = plain_hyperparameters(
             {"lr": adamw_lr, "betas": betas, "eps": adamw_eps, "weight_decay": adamw_weight_decay}
         )
-        self._normuon_defaults = plain_hyperparameters({"beta2": normuon_beta2, "eps": normuon_eps})
+        for keyword, (rule, h) in rule_keywords().items():  # self._{rule}_defaults: {key: value}
+            own = self.__dict__.setdefault(f"_{rule.name}_defaults", {})
+            own.update(plain_hyperparameters({h.key: rule_values[keyword]}))
         if isinstance(split_sizes, Sequence) and not isinstance(split_sizes, str):
             split_sizes = tuple(split_sizes)  # anything else is refused with the group's message
         defaults = {
@@ -256,7 +261,7 @@ class HybridMuon(Optimizer):
             raise ValueError(f"Param group {index} has a complex tensor: complex params are not supported")
         if "algorithm" not in group or group["algorithm"] is None:
             group["algorithm"] = default_algorithm(params, index, advice=self._mixed_group_advice())
-        own = {"adamw": self._adamw_defaults, "normuon": self._normuon_defaults}.get(group["algorithm"], {})
+        own = getattr(self, f"_{group['algorithm']}_defaults", {}) if isinstance(group["algorithm"], str) else {}
         for key, value in own.items():
             group.setdefault(key, value)
         filled = {**self.defaults, **group}
@@ -448,5 +453,20 @@ class HybridMuon(Optimizer):
                 elif isinstance(value, Tensor):
                     self.state[p][key] = value.to(device=p.device, dtype=work_dtype(p.dtype), copy=True)
 
+
+def _signature_with_rule_keywords(init: Callable[..., None]) -> inspect.Signature:
+    """``init``'s signature with each update rule's keywords (popped from ``**unknown``) among its
+    keyword-only parameters, before ``cautious_wd``, with their :data:`DEFAULTS` values."""
+    signature = inspect.signature(init)
+    params = list(signature.parameters.values())
+    at = [p.name for p in params].index("cautious_wd")
+    added = [
+        inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=getattr(DEFAULTS, k), annotation=type(h.default))
+        for k, (_, h) in rule_keywords().items()
+    ]
+    return signature.replace(parameters=params[:at] + added + params[at:])
+
+
+HybridMuon.__init__.__signature__ = _signature_with_rule_keywords(HybridMuon.__init__)  # type: ignore[attr-defined]
 
 __all__ = ["NONFINITE_CHOICES", "HybridMuon"]

@@ -13,7 +13,7 @@ from typing import Any
 
 from torch import nn
 
-from muonkit.config import ADAMW_KEYS, MATRIX_ALGORITHMS, MUON_KEYS, NORMUON_KEYS, check_group_keys
+from muonkit.config import ADAMW_KEYS, MATRIX_ALGORITHMS, RULE_KEYS, check_group_keys
 from muonkit.routing import STATE_BYTES, Route, RuleLike, route
 
 
@@ -41,14 +41,13 @@ def param_groups(
     ``HybridMuon(param_groups(model), lr=0.05, adamw_lr=1e-3)`` trains at 0.05 and 1e-3.
     See :mod:`muonkit.routing` for the rules; ``rules`` are checked first.
 
-    ``muon_algorithm``: the algorithm of the matrix groups, ``"muon"`` or ``"normuon"`` (NorMuon,
-    routed exactly like Muon; its ``beta2`` and ``eps`` go in ``muon_options``)::
-
-        groups = muonkit.param_groups(model, muon_algorithm="normuon", muon_options={"beta2": 0.95})
+    ``muon_algorithm``: the algorithm of the matrix groups, ``"muon"`` or another update rule of
+    :data:`muonkit.functional.rules.RULES` (routed exactly like Muon; the rule's own keys, such as
+    its ``beta2`` and ``eps``, go in ``muon_options``): see ``docs/`` for each rule.
     """
     if muon_algorithm not in MATRIX_ALGORITHMS:
         raise ValueError(f"Invalid muon_algorithm={muon_algorithm!r}: must be one of {MATRIX_ALGORITHMS}")
-    allowed = NORMUON_KEYS if muon_algorithm == "normuon" else MUON_KEYS
+    allowed = RULE_KEYS[muon_algorithm]
     check_group_keys(muon_options or {}, " in muon_options", allowed=allowed, algorithm=muon_algorithm)
     check_group_keys(adamw_options or {}, " in adamw_options", allowed=ADAMW_KEYS, algorithm="adamw")
     # The options win: muon_options={"weight_decay": 0.1} must not clash with the keyword.

@@ -36,7 +36,7 @@ _ROUTER_NAMES = {"gate", "router"}
 _FUSED_QKV_NAMES = {"c_attn", "qkv", "qkv_proj", "wqkv", "query_key_value", "in_proj"}
 STATE_BYTES = {"muon": 4, "adamw": 8}
 ROUTED: tuple[str, ...] = ("muon", "adamw")
-"""What a rule routes to; the matrices' variant (``"normuon"``) is ``param_groups(muon_algorithm=...)``'s."""
+"""What a rule routes to; the matrices' update rule is ``param_groups(muon_algorithm=...)``'s."""
 """Optimizer-state bytes per parameter: one fp32 momentum for Muon, two fp32 moments for AdamW."""
 
 

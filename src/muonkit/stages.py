@@ -1,7 +1,7 @@
 """The stages of a step that compute and apply updates: Muon's directions and commit, AdamW's step.
 
 :func:`muon_chunks` computes the directions of a group's params without changing any state
-(momentum buffers and NorMuon row moments are read, new ones made but not stored);
+(momentum buffers and the update rule's states are read, new ones made but not stored);
 :func:`commit_muon` stores and advances the momentum the directions were computed from and
 applies them (:func:`muonkit.functional.muon.muon_apply_`), masked on the device by a streamed
 verdict (:class:`muonkit.verdict.Stream`) where there is one. :func:`adamw_step` is
@@ -13,7 +13,7 @@ tensors live (local shards, owners, collectives) is the strategy's business; the
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, MutableMapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -23,8 +23,18 @@ from torch import Tensor
 from muonkit.config import AdamWConfig, MuonConfig
 from muonkit.distributed import Strategy
 from muonkit.functional.adamw import adamw_
-from muonkit.functional.muon import momentum_, momentum_masked_, muon_apply_, muon_apply_masked_, muon_update
-from muonkit.group_checks import ROWS
+from muonkit.functional.lr_scaling import lr_scale
+from muonkit.functional.muon import (
+    Scale,
+    momentum_,
+    momentum_masked_,
+    muon_apply_,
+    muon_apply_masked_,
+    scale_,
+    tensor_scale,
+    where_,
+)
+from muonkit.functional.update_rule import StateSpec
 from muonkit.limits import work_dtype
 from muonkit.state_checks import row_count
 from muonkit.verdict import Stream
@@ -43,9 +53,15 @@ class MuonChunk:
     buffers: list[Tensor]
     """Their momentum buffers before the step (new zero ones are not in the state yet)."""
     directions: list[Tensor]
-    """Local slices of ``scale * orthogonalize(U)``, ``U`` computed from ``buffers``."""
-    rows: list[Tensor] | None = None
-    """NorMuon: the new row moments, stored when the step commits."""
+    """Local slices of ``orthogonalize(U)``, ``U`` computed from ``buffers`` (multiplied by
+    ``scales`` when the step commits)."""
+    scales: list[Scale]
+    """Each param's lr shape scale (:func:`local_scale`), applied once, at the commit."""
+    states: list[list[Tensor]] | None = None
+    """The new ``"rows"`` states of the group's update rule (per param, per state), stored when the step commits."""
+    param_states: list[list[tuple[Tensor, Tensor]]] | None = None
+    """The rule's other ``"param"`` states (per param, per state): the state tensor (a new zero one
+    is not in the state yet) and its new local values, written when the step commits."""
 
 
 def muon_chunks(params: list[Tensor], config: MuonConfig, *, strategy: Strategy, state: State) -> Iterator[MuonChunk]:
@@ -61,16 +77,20 @@ def muon_chunks(params: list[Tensor], config: MuonConfig, *, strategy: Strategy,
         group = [params[i] for i in chunk]
         buffers = [_momentum_buffer(p, strategy, state) for p in group]
         grads = [local(cast(Tensor, p.grad)) for p in group]
-        updates = muon_update(  # the whole chunk in one foreach call
-            [local(b) for b in buffers], grads, momentum=config.momentum, nesterov=config.nesterov
-        )
-        if config.normuon:
-            rows = [_row_moments(p, config, strategy, state).clone() for p in group]  # the strategy writes the new ones
-            directions = strategy.directions(group, updates, config, rows=rows)
+        extra = config.rule.param_states
+        held = [[_param_state(p, spec, strategy, state) for spec in extra] for p in group] if extra else []
+        olds = [[local(t) for t in ts] for ts in held]
+        updates, news = config.rule.before([local(b) for b in buffers], grads, olds, config)  # one foreach call
+        param_states = [list(zip(ts, vs, strict=True)) for ts, vs in zip(held, news, strict=True)] if extra else None
+        specs = config.rule.rows_states
+        if specs:  # fresh copies: the strategy writes the new ones into them
+            states = [[_rows_state(p, spec, config, strategy, state).clone() for spec in specs] for p in group]
+            directions = strategy.directions(group, updates, config, states=states)
         else:
-            rows, directions = None, strategy.directions(group, updates, config)
+            states, directions = None, strategy.directions(group, updates, config)
         del updates
-        yield MuonChunk(group, buffers, directions, rows)
+        scales = [local_scale(p, config, strategy, like=d) for p, d in zip(group, directions, strict=True)]
+        yield MuonChunk(group, buffers, directions, scales, states, param_states)
 
 
 def _momentum_buffer(p: Tensor, strategy: Strategy, state: State) -> Tensor:
@@ -79,14 +99,53 @@ def _momentum_buffer(p: Tensor, strategy: Strategy, state: State) -> Tensor:
     return strategy.new_state(p, work_dtype(p.dtype)) if buffer is None else buffer
 
 
-def _row_moments(p: Tensor, config: MuonConfig, strategy: Strategy, state: State) -> Tensor:
-    """``p``'s NorMuon row moments, or new zero ones (stored only when the step commits): one
+_SCALES: dict[Hashable, Scale] = {}
+_SCALES_KEPT = 4096  # local scales kept (one per distinct param layout and setting)
+
+
+def local_scale(p: Tensor, config: MuonConfig, strategy: Strategy, *, like: Tensor) -> Scale:
+    """The lr shape scale of ``p``'s local direction: a number where every matrix of every whole
+    tensor ``p`` stands for has the same one (empty ones have none; no read of where they lie); else per element of the
+    parts this rank holds (:meth:`Strategy.regions`), cached: one tensor (``like``'s dtype) where
+    one part fills the local tensor, else ``(start, stop, value)`` runs of it."""
+    adjust, layout = config.adjust_lr, config.layout
+    shapes = strategy.whole_shapes(p)
+    values = {lr_scale(adjust, b.rows, b.cols) for shape in shapes for b in layout.blocks(shape) if b.rows and b.cols}
+    if len(values) <= 1:
+        return values.pop() if values else 1.0
+    held = strategy.regions(p)
+    key = (held, layout, adjust, tuple(like.shape), like.dtype, like.device)
+    scale = _SCALES.get(key)
+    if scale is None:
+        runs: list[tuple[int, int, float | Tensor]] = []
+        for part in held:
+            if part.region.numel == 0:
+                continue
+            whole = tensor_scale(part.shape, layout, adjust, like=like)
+            value = whole if isinstance(whole, float) else part.region.read(whole).reshape(-1)
+            runs.append((part.offset, part.offset + part.region.numel, value))
+        whole_here = len(runs) == 1 and runs[0][:2] == (0, like.numel()) and isinstance(runs[0][2], Tensor)
+        scale = runs[0][2] if whole_here else tuple(runs)
+        if len(_SCALES) >= _SCALES_KEPT:
+            _SCALES.clear()
+        _SCALES[key] = scale
+    return scale
+
+
+def _param_state(p: Tensor, spec: StateSpec, strategy: Strategy, state: State) -> Tensor:
+    """``p``'s ``"param"`` state ``spec`` (laid out like ``p``), or a new zero one (stored only when the step commits)."""
+    value = state.get(p, {}).get(spec.key)
+    return strategy.new_state(p, work_dtype(p.dtype)) if value is None else value
+
+
+def _rows_state(p: Tensor, spec: StateSpec, config: MuonConfig, strategy: Strategy, state: State) -> Tensor:
+    """``p``'s ``"rows"`` state ``spec``, or a new zero one (stored only when the step commits): one
     value per matrix row of each whole tensor ``p`` stands for, on every rank."""
-    rows = state.get(p, {}).get(ROWS)
-    if rows is None:
-        count = row_count(p, whole_shapes=strategy.whole_shapes, layout=config.layout) or 0
-        rows = torch.zeros(count, dtype=work_dtype(p.dtype), device=p.device)
-    return rows
+    value = state.get(p, {}).get(spec.key)
+    if value is None:
+        count = row_count(p, spec, whole_shapes=strategy.whole_shapes, layout=config.layout) or 0
+        value = torch.zeros(count, dtype=work_dtype(p.dtype), device=p.device)
+    return value
 
 
 def commit_batches(chunks: Iterable[MuonChunk]) -> Iterator[list[MuonChunk]]:
@@ -128,6 +187,7 @@ def commit_muon(
     params = [p for chunk in chunks for p in chunk.params]
     buffers = [b for chunk in chunks for b in chunk.buffers]
     directions = [d for chunk in chunks for d in chunk.directions]
+    scale_(directions, [s for chunk in chunks for s in chunk.scales])  # the lr shape scale, once
     ok = None if stream is None else stream.check(directions)
     if ok is False:
         for chunk in chunks:
@@ -139,12 +199,23 @@ def commit_muon(
     for p, buffer in zip(params, buffers, strict=True):
         state[p]["momentum_buffer"] = buffer
     for chunk in chunks:
-        if chunk.rows is not None:
-            for p, rows in zip(chunk.params, chunk.rows, strict=True):
-                old = state[p].get(ROWS)
-                if isinstance(ok, Tensor):  # masked: the old moments (or zeros) unless ok
-                    rows = torch.where(ok, rows, torch.zeros_like(rows) if old is None else old)
-                state[p][ROWS] = rows
+        for p, pairs in zip(chunk.params, chunk.param_states or [], strict=False):
+            for spec, (held, value) in zip(config.rule.param_states, pairs, strict=True):
+                state[p][spec.key] = held
+                if isinstance(ok, Tensor):  # masked: unchanged unless ok
+                    where_([local(held)], [value], ok)
+                else:
+                    local(held).copy_(value)
+    specs = config.rule.rows_states
+    for chunk in chunks:
+        if chunk.states is None:
+            continue
+        for p, values in zip(chunk.params, chunk.states, strict=True):
+            for spec, value in zip(specs, values, strict=True):
+                old = state[p].get(spec.key)
+                if isinstance(ok, Tensor):  # masked: the old values (or zeros) unless ok
+                    value = torch.where(ok, value, torch.zeros_like(value) if old is None else old)
+                state[p][spec.key] = value
     grads = [local(cast(Tensor, p.grad)) for p in params]
     if isinstance(ok, Tensor):
         momentum_masked_([local(b) for b in buffers], grads, momentum=config.momentum, ok=ok)
@@ -165,6 +236,7 @@ def commit_muon(
             weight_decay=rates[1],
             cautious_wd=config.cautious_wd,
         )
+    config.rule.committed([local(p) for p in params], config)
     for chunk in chunks:
         chunk.directions.clear()  # free them now, not when the next chunk replaces this one
 

@@ -19,13 +19,13 @@ from torch import Tensor
 
 from muonkit.config import AdamWConfig, MuonConfig, group_config
 from muonkit.foreign_state import muonkit_group
-from muonkit.functional.normuon import normuon_rows
-from muonkit.group_checks import ROWS, SWAPPED_PARAMS, check_muon_params
+from muonkit.functional.rules import RULES
+from muonkit.functional.update_rule import StateSpec
+from muonkit.group_checks import SWAPPED_PARAMS, check_muon_params
 from muonkit.limits import exp_avg_limit, work_dtype
 
 STATE_KEYS = {
-    "muon": ("momentum_buffer",),
-    "normuon": ("momentum_buffer", ROWS),
+    **{name: tuple(s.key for s in rule.states) for name, rule in RULES.items()},
     "adamw": ("exp_avg", "exp_avg_sq", "step"),
 }
 """The state each algorithm keeps per param, and nothing else."""
@@ -99,11 +99,11 @@ def check_param_state(
     index: int,
     *,
     local: Callable[[Tensor], Tensor],
-    rows: Callable[[Tensor], int | None] | None = None,
+    rows: Callable[[Tensor, StateSpec], int | None] | None = None,
     config: MuonConfig | AdamWConfig | None = None,
 ) -> None:
     """``local``: the part of a (sharded) state this rank holds, where its values are checked;
-    ``rows``: the length of a param's NorMuon row moments; ``config``: the group's settings, which
+    ``rows``: the length of a param's ``"rows"`` state (:class:`StateSpec`); ``config``: the group's settings, which
     bound what a step writes (:func:`state_bound`)."""
     if not state:
         return
@@ -113,29 +113,33 @@ def check_param_state(
     if missing or unexpected:
         what = f"lacks {missing}" if missing else f"has keys a {algorithm} group does not keep: {unexpected}"
         raise ValueError(f"Saved state of param {index} (group {group}, {algorithm}) {what}; has {sorted(state)}")
+    specs = {s.key: s for s in RULES[algorithm].rows_states} if algorithm in RULES else {}
     for key in expected:
         value = state[key]
+        spec = specs.get(key)
         if key == "step":
             check_step(value, group, index)
             continue
-        count = rows(p) if key == ROWS and rows is not None else None
-        want = tuple(p.shape) if key != ROWS else (count,) if count is not None else None
+        count = rows(p, spec) if spec is not None and rows is not None else None
+        want = tuple(p.shape) if spec is None else (count,) if count is not None else None
         if not isinstance(value, Tensor) or (tuple(value.shape) != want if want is not None else value.ndim != 1):
             shape = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
-            what = f"needs {want} (one value per matrix row)" if key == ROWS else f"has {tuple(p.shape)}"
+            what = f"needs {want} (one value per matrix row)" if spec is not None else f"has {tuple(p.shape)}"
             raise ValueError(f"Saved {key} of param {index} (group {group}) has shape {shape}, the param {what}")
         if not value.is_floating_point():
             raise ValueError(
                 f"Saved {key} of param {index} (group {group}) has dtype {value.dtype}: must be floating point"
             )
         bound = state_bound(key, p, config)
-        check_state_values(value if key == ROWS else local(value), key, group, index, bound=bound)
+        check_state_values(value if spec is not None else local(value), key, group, index, bound=bound)
 
 
-def row_count(p: Tensor, *, whole_shapes: Callable[[Tensor], list[tuple[int, ...]]], layout: Any) -> int | None:
-    """The length of ``p``'s NorMuon row moments; None while the whole tensors are not known yet."""
+def row_count(
+    p: Tensor, spec: StateSpec, *, whole_shapes: Callable[[Tensor], list[tuple[int, ...]]], layout: Any
+) -> int | None:
+    """The length of ``p``'s ``"rows"`` state ``spec``; None while the whole tensors are not known yet."""
     shapes = whole_shapes(p)
-    return sum(normuon_rows(s, layout) for s in shapes) if shapes else None
+    return sum(spec.length(s, layout) for s in shapes) if shapes else None
 
 
 def state_bound(key: str, p: Tensor, config: MuonConfig | AdamWConfig | None) -> tuple[float, str]:
@@ -170,10 +174,14 @@ def check_state_values(
             f"Saved {key} of param {index} (group {group}) has values up to {max(-low, high):.4g} in magnitude: "
             f"must be within {limit:.4g}, {why}"
         )
-    if key in ("exp_avg_sq", ROWS) and low < 0:
+    if key in NONNEGATIVE and low < 0:
         raise ValueError(
             f"Saved {key} of param {index} (group {group}) has negative values (min {low:.4g}): must be >= 0"
         )
+
+
+NONNEGATIVE = frozenset(["exp_avg_sq", *(s.key for rule in RULES.values() for s in rule.states if s.nonnegative)])
+"""The state keys of second moments (never negative)."""
 
 
 def check_step(value: Any, group: int, index: int) -> None:

@@ -55,7 +55,7 @@ class NaiveMeshStrategy(Strategy):
 
     def muon_directions(self, params: list[Tensor], updates: list[Tensor], config: MuonConfig) -> list[Tensor]:
         whole = [_whole(p, u) for p, u in zip(params, updates, strict=True)]
-        hook = functools.partial(self.count_batch, config=config)
+        hook = functools.partial(self.compute.count, config=config)
         found = muon_directions(whole, [config.layout] * len(whole), config.ns_options, on_batch=hook)
         return [_local_part(p, d, u) for p, d, u in zip(params, found, updates, strict=True)]
 

@@ -29,10 +29,9 @@ from torch import Tensor
 
 import muonkit
 from muonkit.functional import PRESETS, orthogonalization_flops
-from muonkit.functional.normuon import normuon_normalize
+from muonkit.functional.normuon import normuon_normalize, normuon_normalize_shard
 from muonkit.functional.orthogonalize import gram_restarts, orthogonalize_batches, uses_gram
 from muonkit.functional.sharded import (
-    normuon_normalize_shard,
     orthogonalize_shard,
     p_rows,
     shard_collectives,

@@ -9,7 +9,6 @@ collectives.
 
 from __future__ import annotations
 
-import functools
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -19,27 +18,9 @@ from torch import Tensor
 
 from muonkit.config import MuonConfig
 from muonkit.distributed.agreement import Setting
+from muonkit.distributed.compute import Compute, StrategyStats
 from muonkit.distributed.pieces import Box, Region
-from muonkit.functional.matrices import MatrixLayout
-from muonkit.functional.muon import NSOptions, muon_directions, normuon_directions
 from muonkit.shapes import full_shape
-
-
-@dataclass
-class StrategyStats:
-    """Cumulative counters of the work a strategy did on this rank (for tests and benchmarks)."""
-
-    matrices: int = 0
-    """Matrices orthogonalized on this rank."""
-    flops: int = 0
-    """Newton-Schulz FLOPs spent on this rank."""
-    bytes_sent: int = 0
-    """Bytes this rank sent through collectives issued by the optimizer."""
-    collectives: int = 0
-    """Collective calls issued by the optimizer on this rank."""
-
-    def reset(self) -> None:
-        self.matrices = self.flops = self.bytes_sent = self.collectives = 0
 
 
 @dataclass(frozen=True)
@@ -82,6 +63,8 @@ class Strategy(ABC):
 
     def __init__(self) -> None:
         self.stats = StrategyStats()
+        self.compute = Compute(self.stats)
+        """The math this rank runs on whole matrices and shards, counted in :attr:`stats`."""
 
     def local(self, t: Tensor) -> Tensor:
         """The part of ``t`` stored on this rank, as a plain tensor."""
@@ -210,53 +193,25 @@ class Strategy(ABC):
 
     @abstractmethod
     def directions(
-        self, params: list[Tensor], updates: list[Tensor], config: MuonConfig, *, rows: list[Tensor] | None = None
+        self,
+        params: list[Tensor],
+        updates: list[Tensor],
+        config: MuonConfig,
+        *,
+        states: list[list[Tensor]] | None = None,
     ) -> list[Tensor]:
-        """Local slices of ``scale * orthogonalize(U)`` for each param.
+        """Local slices of ``orthogonalize(U)`` for each param (unscaled: the optimizer applies the lr
+        shape scale when the step commits, :func:`muonkit.stages.local_scale`).
 
         ``updates[i]`` is the local slice of the momentum update of ``params[i]``; the result
         has the same local shape. Each whole matrix is orthogonalized exactly once across ranks.
         ``updates`` are fresh scratch tensors (:func:`muon_update` returns new ones), so a
         strategy may write the directions into them and return them, to save memory.
 
-        NorMuon groups (``config.normuon``) also pass ``rows``: a fresh copy of each param's
-        row moments, whole on every rank (:func:`~muonkit.functional.normuon.normuon_rows` per
-        whole tensor of :meth:`whole_shapes`, concatenated); the directions are then NorMuon's
-        (:func:`~muonkit.functional.muon.normuon_directions`, normalized on the rank that
-        orthogonalizes the whole matrix) and the strategy overwrites ``rows`` with the new
-        moments, the same values on every rank.
+        Groups whose update rule keeps ``"rows"`` states (``config.rule.rows_states``) also pass
+        ``states``: per param, a fresh copy of each such state, whole on every rank
+        (:meth:`~muonkit.functional.update_rule.StateSpec.length` per whole tensor of
+        :meth:`whole_shapes`, concatenated); the rule's hooks run on the rank that orthogonalizes
+        the whole matrix (:attr:`compute`) and the strategy overwrites ``states`` with the new
+        values, the same on every rank.
         """
-
-    def compute(
-        self,
-        wholes: Sequence[Tensor],
-        layouts: Sequence[MatrixLayout],
-        config: MuonConfig,
-        *,
-        options: NSOptions | None = None,
-        rows: Sequence[Tensor] | None = None,
-    ) -> tuple[list[Tensor], list[Tensor]]:
-        """Directions of whole tensors (counted in :attr:`stats`) and, for NorMuon, their new row moments.
-
-        ``options``: the orthogonalization (default ``config.ns_options``); ``rows``: the row
-        moments of each whole tensor, required for NorMuon groups (and not modified).
-        """
-        options = config.ns_options if options is None else options
-        # Not counted in a compiled step: torch.compile would guard on the counters' values (Python
-        # ints), which change every step, and recompile every step.
-        device = wholes[0].device if wholes else None
-        hook = (
-            None if torch.compiler.is_compiling() else functools.partial(self.count_batch, config=config, device=device)
-        )
-        if not config.normuon:
-            return muon_directions(wholes, layouts, options, on_batch=hook), []
-        if rows is None:
-            raise ValueError("NorMuon directions need the row moments (rows=)")
-        return normuon_directions(wholes, rows, layouts, options, beta2=config.beta2, eps=config.eps, on_batch=hook)
-
-    def count_batch(
-        self, count: int, rows: int, cols: int, *, config: MuonConfig, device: torch.device | None = None
-    ) -> None:
-        """Record one batched orthogonalization on this rank (FLOPs of the dtype it runs in on ``device``)."""
-        self.stats.matrices += count
-        self.stats.flops += count * config.flops(rows, cols, device=device)

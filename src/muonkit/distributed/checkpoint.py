@@ -175,8 +175,8 @@ def _names_only(optimizer: torch.optim.Optimizer) -> Iterator[None]:
 
 def _new_like(p: torch.Tensor, meta: Any) -> Any:
     """A new tensor to read a saved state entry into: laid out like ``p`` where it has ``p``'s shape
-    (a DTensor: each rank reads its own slice), else whole as saved (a step count, NorMuon's row
-    moments, or a wrong shape that the optimizer's ``load_state_dict`` then names)."""
+    (a DTensor: each rank reads its own slice), else whole as saved (a step count, an update rule's
+    rows state, or a wrong shape that the optimizer's ``load_state_dict`` then names)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     from torch.distributed.tensor import DTensor
 

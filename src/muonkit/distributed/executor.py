@@ -21,18 +21,14 @@ Split jobs (:attr:`~muonkit.distributed.planner.Plan.splits`, a job's Newton-Sch
 group of ranks) go beside these stages (:mod:`muonkit.distributed.split_run`): their pieces leave
 first, their members orthogonalize while the gathers travel, and their results return last.
 
-The lr shape scale is applied as on one device, where ``orthogonalize`` casts its result up to
-the update dtype and multiplies by the scale there: when the wire is narrower, every receiver
-casts its region up and multiplies (a per-element scale read from a whole-shaped map when
-``split_sizes`` blocks differ, cached); otherwise the owner scales in ``muon_directions`` itself
-and sends the scaled values. Either way each direction equals :class:`SingleDeviceStrategy`'s
-bit for bit wherever batched products do not depend on the batch.
+The directions are unscaled: the optimizer multiplies every rank's local direction by the lr
+shape scale when the step commits (:func:`muonkit.stages.local_scale`), as on one device. A
+narrow wire's values cast up exactly on arrival, so each direction equals
+:class:`SingleDeviceStrategy`'s bit for bit wherever batched products do not depend on the batch.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from abc import abstractmethod
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
@@ -44,13 +40,13 @@ from muonkit.config import MuonConfig
 from muonkit.distributed.agreement import Setting
 from muonkit.distributed.base import Strategy, StrategyStats
 from muonkit.distributed.collectives import Collectives, Pending, group_of
+from muonkit.distributed.compute import RowStates
 from muonkit.distributed.pieces import Box, Job, Piece, Region, Span, local_part
-from muonkit.distributed.planner import Plan, job_cost, make_plan, scale_of, wire_dtype
+from muonkit.distributed.planner import Plan, job_cost, make_plan, wire_dtype
 from muonkit.distributed.schedule import Cuts, Exchange, Grid, GroupSchedule, rank_schedule
 from muonkit.distributed.split_plan import SplitCost, SplitPolicy
 from muonkit.distributed.split_run import SplitRun
 from muonkit.distributed.split_schedule import schedule as split_schedule
-from muonkit.functional.lr_scaling import lr_scale
 from muonkit.functional.matrices import MatrixLayout
 from muonkit.functional.muon import NSOptions
 from muonkit.functional.orthogonalize import default_compute_dtype
@@ -71,8 +67,6 @@ class PlannedStrategy(Strategy):
         self.comm = comm(self.stats) if comm is not None else Collectives(group_of(process_group), self.stats)
         self._plans: dict[Hashable, Plan] = {}
         self._plans_by_placement: dict[Hashable, Plan] = {}
-        self._scales: dict[Hashable, Tensor] = {}
-        self._uniform_scales: dict[Hashable, float] = {}  # nan: blocks of different scales
         self.split_policy = SplitPolicy()
         """When a job's Newton-Schulz runs over a group of ranks (:mod:`muonkit.distributed.split_plan`):
         by default only where it pays. Set it before the first step, e.g. on a strategy given to the
@@ -112,9 +106,14 @@ class PlannedStrategy(Strategy):
         return None
 
     def directions(
-        self, params: list[Tensor], updates: list[Tensor], config: MuonConfig, *, rows: list[Tensor] | None = None
+        self,
+        params: list[Tensor],
+        updates: list[Tensor],
+        config: MuonConfig,
+        *,
+        states: list[list[Tensor]] | None = None,
     ) -> list[Tensor]:
-        self.run(self._plan_for(params, updates, config), updates, updates, config, rows=rows)
+        self.run(self._plan_for(params, updates, config), updates, updates, config, states=states)
         return updates  # scratch (see Strategy): every read of it happens before its region is written
 
     def _plan_for(self, params: list[Tensor], updates: list[Tensor], config: MuonConfig) -> Plan:
@@ -161,17 +160,17 @@ class PlannedStrategy(Strategy):
         out: Sequence[Tensor],
         config: MuonConfig,
         *,
-        rows: Sequence[Tensor] | None = None,
+        states: Sequence[Sequence[Tensor]] | None = None,
     ) -> None:
         """Write into ``out`` (local tensors like ``updates``) this rank's regions of every job's direction.
 
         ``out`` may be ``updates`` itself: a job's regions are read (sent, or viewed by its owner)
-        before they are written, and jobs do not share regions. ``rows`` (NorMuon): each
-        tensor's row moments, whole on every rank; overwritten with the new ones (see
-        :class:`_RowMoments`). What this rank sends, receives and writes comes from its
+        before they are written, and jobs do not share regions. ``states``: each tensor's
+        ``"rows"`` states of the group's update rule, whole on every rank; overwritten with the new
+        ones (see :class:`~muonkit.distributed.compute.RowStates`). What this rank sends, receives and writes comes from its
         :func:`~muonkit.distributed.schedule.rank_schedule`, computed at the plan's first run.
         """
-        moments = _RowMoments(plan, rows) if rows is not None else None
+        moments = None if states is None else RowStates(config, states, lambda: _describe(plan), plan.memo)
         split = self._start_splits(plan, updates, config)
         exchanges = rank_schedule(plan, self.comm.rank, self.comm.world_size)
         likes = [updates[plan.jobs[group[0]].tensor] for group in plan.groups]
@@ -182,8 +181,7 @@ class PlannedStrategy(Strategy):
         for k, part in enumerate(exchanges):
             like = likes[k]
             wire = wire_dtype(config, like)
-            on_owner = wire == like.dtype  # nothing to cast up on arrival: the owner scales, as one device does
-            options = config.ns_options if on_owner else dataclasses.replace(config.ns_options, adjust_lr=None)
+            options = config.ns_options
             ready = part.ready
             results = dict(
                 zip(ready, self._orthogonalize(plan, ready, updates, (part, []), options, config, moments), strict=True)
@@ -193,18 +191,18 @@ class PlannedStrategy(Strategy):
             rest = [j for j in part.mine if j not in results]
             computed = self._orthogonalize(plan, rest, updates, (part, received), options, config, moments)
             results.update(zip(rest, computed, strict=True))
-            returns.append((on_owner, part, *self._send_back(plan, part, results, wire, like)))
+            returns.append((part, *self._send_back(plan, part, results, wire, like)))
             mine = _parts(results, part.local, part.local_results, part.local_grids)
-            self._write_all(plan, part.local, part.local_cuts, mine, out, config, scaled=on_owner)
-        for on_owner, part, pending, arrived in returns:
+            self._write_all(plan, part.local, part.local_cuts, mine, out)
+        for part, pending, arrived in returns:
             if pending is not None:
                 pending.wait()
             if part.back is not None:
-                self._write_all(plan, part.back.receive, part.back.mine, arrived, out, config, scaled=on_owner)
+                self._write_all(plan, part.back.receive, part.back.mine, arrived, out)
         if split is not None:
             split.finish(out)
         if moments is not None:
-            moments.share(self.comm)
+            moments.share(self.comm.all_reduce)
 
     # -- split jobs (muonkit.distributed.split_run) ---------------------------------------------
 
@@ -222,7 +220,7 @@ class PlannedStrategy(Strategy):
         key = ("split schedule", self.comm.rank)
         if key not in plan.memo:  # the same every step: once per plan
             plan.memo[key] = split_schedule(plan, self.comm.rank)
-        run = SplitRun(self.comm, self.stats, plan, plan.memo[key], updates, config, self._all_to_all_lists)
+        run = SplitRun(self.comm, self.compute, plan, plan.memo[key], updates, config, self._all_to_all_lists)
         run.start()
         return run
 
@@ -296,19 +294,19 @@ class PlannedStrategy(Strategy):
         received: tuple[GroupSchedule, list[Tensor]],
         options: NSOptions,
         config: MuonConfig,
-        moments: _RowMoments | None,
+        moments: RowStates | None,
     ) -> list[Tensor]:
-        """Directions of my ``jobs`` (whole, in the update dtype), batched by matrix shape; NorMuon's
-        new row moments of them go into ``moments``. ``received``: the group's schedule and the
+        """Directions of my ``jobs`` (whole, in the update dtype), batched by matrix shape; the new
+        ``"rows"`` states of them go into ``moments``. ``received``: the group's schedule and the
         pieces its gather brought (empty before it arrived)."""
         if not jobs:
             return []
         wholes = [self._whole(plan, j, updates, received) for j in jobs]
         layouts = [plan.jobs[j].layout for j in jobs]
-        rows = None if moments is None else [moments.old(j) for j in jobs]
-        directions, new_rows = self.compute(wholes, layouts, config, options=options, rows=rows)
+        olds = None if moments is None else [moments.old(j) for j in jobs]
+        directions, news = self.compute(wholes, layouts, config, options=options, states=olds)
         if moments is not None:
-            for j, new in zip(jobs, new_rows, strict=True):
+            for j, new in zip(jobs, news, strict=True):
                 moments.computed(j, new)
         return directions
 
@@ -340,57 +338,16 @@ class PlannedStrategy(Strategy):
         cuts: Cuts,
         data: Sequence[Tensor],
         out: Sequence[Tensor],
-        config: MuonConfig,
-        *,
-        scaled: bool,
     ) -> None:
-        """Put each ``data`` (flat, storage order) into my region ``pieces[i]`` of ``out``, scaled
-        unless the owner did: one batched copy and one batched multiply per scale."""
+        """Put each ``data`` (flat, storage order) into my region ``pieces[i]`` of ``out``: one batched copy."""
         views = cuts.views(out)
         if views is None:  # a local tensor stored out of its flat order: piece by piece
             for (j, piece), flat in zip(pieces, data, strict=True):
-                self._write(plan.jobs[j], piece, flat, out, config, scaled=scaled)
+                view = local_part(out[plan.jobs[j].tensor], piece)
+                view.copy_(flat.view(view.shape))
             return
         if views:
             torch._foreach_copy_(views, list(data))
-        if scaled:
-            return
-        by_scale: dict[float, list[Tensor]] = {}
-        for (j, piece), view in zip(pieces, views, strict=True):
-            scale = self._scale(plan.jobs[j], piece, config.adjust_lr, view)
-            if isinstance(scale, Tensor):
-                view.mul_(scale.view(view.shape))
-            else:
-                by_scale.setdefault(scale, []).append(view)
-        for scale, group in by_scale.items():
-            torch._foreach_mul_(group, scale)
-
-    def _write(
-        self, job: Job, piece: Piece, data: Tensor, out: Sequence[Tensor], config: MuonConfig, *, scaled: bool
-    ) -> None:
-        """Put ``data`` (flat, storage order) into my region ``piece`` of ``out``; scale it unless the owner did."""
-        view = local_part(out[job.tensor], piece)
-        view.copy_(data.view(view.shape))
-        if not scaled:
-            scale = self._scale(job, piece, config.adjust_lr, view)
-            view.mul_(scale if isinstance(scale, float) else scale.view(view.shape))
-
-    def _scale(self, job: Job, piece: Piece, adjust_lr: str | None, view: Tensor) -> float | Tensor:
-        """The lr shape scale of ``piece``: a float, or (blocks of different scales) a flat map of it."""
-        uniform = (job.shape, job.layout, adjust_lr)
-        scale = self._uniform_scales.get(uniform)
-        if scale is None:
-            scales = {lr_scale(adjust_lr, b.rows, b.cols) for b in job.layout.blocks(job.shape)}
-            scale = self._uniform_scales[uniform] = scales.pop() if len(scales) == 1 else math.nan
-        if not math.isnan(scale):
-            return scale
-        key = (job.shape, job.layout, piece.region, adjust_lr, view.dtype, view.device)
-        cached = self._scales.get(key)
-        if cached is None:  # split blocks of different scales: cache the region's map
-            flat = scale_of(job, piece.region, adjust_lr, like=view)
-            assert isinstance(flat, Tensor)
-            cached = self._scales[key] = flat
-        return cached
 
 
 def _parts(
@@ -411,56 +368,10 @@ def _as(result: Tensor, grid: Grid | None) -> Tensor:
     return result if grid is None else grid.blocks(result)
 
 
-class _RowMoments:
-    """NorMuon's row moments during one :meth:`PlannedStrategy.run`: old ones in, new ones out, on every rank.
-
-    Each rank keeps every tensor's moments whole (one value per matrix row: tiny). The jobs of a
-    tensor come in the order of its rows (each expert, and in it each ``split_sizes`` block:
-    :func:`~muonkit.functional.normuon.normuon_rows`), so job ``j`` owns the next
-    ``rows(job)`` values of its tensor's vector. The owner of a job computes its new moments
-    from the whole direction; every rank writes those it computed into a zero vector and one
-    ``all_reduce(SUM)`` of all of them gives every rank every new value exactly (each value
-    has one non-zero contributor). Values of no job with an owner (empty matrices) keep the
-    old ones, as on one device.
-    """
-
-    def __init__(self, plan: Plan, rows: Sequence[Tensor]) -> None:
-        self.rows = rows
-        if "row spans" not in plan.memo:  # the same every step: once per plan
-            spans: list[tuple[int, int, int]] = []  # per job: (tensor, start, stop)
-            ends = [0] * len(rows)
-            for job in plan.jobs:
-                count = sum(b.count * b.rows for b in job.layout.blocks(job.shape))
-                spans.append((job.tensor, ends[job.tensor], ends[job.tensor] + count))
-                ends[job.tensor] += count
-            owned = [j for j, owner in enumerate(plan.owners) if owner >= 0] + [s.job for s in plan.splits]
-            plan.memo["row spans"] = (spans, owned)
-        self.spans, self.owned = plan.memo["row spans"]
-        self.sums = [torch.zeros_like(v) for v in rows]
-
-    def old(self, j: int) -> Tensor:
-        t, start, stop = self.spans[j]
-        return self.rows[t][start:stop]
-
-    def computed(self, j: int, new: Tensor) -> None:
-        t, start, stop = self.spans[j]
-        self.sums[t][start:stop] = new
-
-    def computed_part(self, j: int, offset: int, new: Tensor) -> None:
-        """New moments of a split job's rows from ``offset`` on (each member's rows)."""
-        t, start, _ = self.spans[j]
-        self.sums[t][start + offset : start + offset + new.numel()] = new
-
-    def share(self, comm: Collectives) -> None:
-        """The one all-reduce; then ``rows`` hold the new moments."""
-        if not self.rows:
-            return
-        flat = torch.cat([s.reshape(-1) for s in self.sums])
-        comm.all_reduce(flat, op=torch.distributed.ReduceOp.SUM)
-        sums = torch.split(flat, [s.numel() for s in self.sums])
-        for j in self.owned:
-            t, start, stop = self.spans[j]
-            self.rows[t][start:stop] = sums[t][start:stop]
+def _describe(plan: Plan) -> tuple[list[tuple[int, tuple[int, ...], MatrixLayout]], list[int]]:
+    """Each job of ``plan`` as ``(tensor, shape, layout)``, and the jobs an owner or a split computes."""
+    owned = [j for j, owner in enumerate(plan.owners) if owner >= 0] + [s.job for s in plan.splits]
+    return [(job.tensor, job.shape, job.layout) for job in plan.jobs], owned
 
 
 def _in_order(region: Region, job: Job) -> bool:

@@ -69,7 +69,7 @@ from torch import Tensor
 from muonkit.config import MuonConfig
 from muonkit.distributed.pieces import Holders, Job, Piece, Pieces, Region, holders_of
 from muonkit.distributed.split_plan import Split, SplitCost, choose_splits, place_splits, rank_loads
-from muonkit.functional.lr_scaling import lr_scale
+from muonkit.functional.muon import tensor_scale
 from muonkit.functional.orthogonalize import default_compute_dtype
 
 __all__ = ["Plan", "choose_owners", "choose_sources", "job_cost", "make_plan", "scale_of", "wire_dtype"]
@@ -308,9 +308,10 @@ def _check_job(job: Job, holders: Holders, world_size: int) -> None:
 def wire_dtype(config: MuonConfig, update: Tensor) -> torch.dtype:
     """The dtype orthogonalized matrices travel in: the compute dtype when it is narrower (lossless).
 
-    NorMuon directions are normalized on the owner in the update dtype: they travel in it.
+    Directions an update rule changes after the iteration are computed on the owner in the update
+    dtype: they travel in it.
     """
-    if config.normuon:
+    if config.rule.changes_directions:
         return update.dtype
     compute = config.ns_dtype if config.ns_dtype is not None else default_compute_dtype(update.device)
     return compute if compute.itemsize < update.dtype.itemsize else update.dtype
@@ -318,13 +319,7 @@ def wire_dtype(config: MuonConfig, update: Tensor) -> torch.dtype:
 
 def scale_of(job: Job, region: Region, adjust_lr: str | None, *, like: Tensor) -> float | Tensor:
     """The lr shape scale of ``region`` of ``job``: a float when every block has the same scale,
-    else a flat tensor (``like``'s dtype and device) of each element's scale in storage order."""
-    blocks = job.layout.blocks(job.shape)
-    scales = {lr_scale(adjust_lr, b.rows, b.cols) for b in blocks}
-    if len(scales) == 1:
-        return scales.pop()
-    whole = job.layout.from_matrices(
-        [torch.full((b.count, b.rows, b.cols), lr_scale(adjust_lr, b.rows, b.cols), dtype=like.dtype) for b in blocks],
-        job.shape,
-    ).to(like.device)
-    return region.read(whole)
+    else a flat tensor (``like``'s dtype and device) of each element's scale in storage order
+    (:func:`~muonkit.functional.muon.tensor_scale` read at ``region``)."""
+    whole = tensor_scale(job.shape, job.layout, adjust_lr, like=like)
+    return whole if isinstance(whole, float) else region.read(whole)

@@ -73,9 +73,15 @@ class SingleDeviceStrategy(Strategy):
         return chunks
 
     def directions(
-        self, params: list[Tensor], updates: list[Tensor], config: MuonConfig, *, rows: list[Tensor] | None = None
+        self,
+        params: list[Tensor],
+        updates: list[Tensor],
+        config: MuonConfig,
+        *,
+        states: list[list[Tensor]] | None = None,
     ) -> list[Tensor]:
-        directions, new_rows = self.compute(updates, [config.layout] * len(updates), config, rows=rows)
-        for old, new in zip(rows or [], new_rows, strict=True):
-            old.copy_(new)
+        directions, new_states = self.compute(updates, [config.layout] * len(updates), config, states=states)
+        for olds, news in zip(states or [], new_states, strict=True):
+            for old, new in zip(olds, news, strict=True):
+                old.copy_(new)
         return directions

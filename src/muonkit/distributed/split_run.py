@@ -15,8 +15,8 @@ stages every rank enters in the same order:
    jobs in plan order, so no two members wait on each other in opposite orders. Ranks in no
    group go straight on to their owned jobs, while the gathers travel;
 3. :meth:`SplitRun.finish`, after the owned jobs: one ``all_to_all_single`` (per wire dtype)
-   sends each rank its regions of the shards' results, then they are written (scaled on arrival
-   where the wire is narrower than the update, as for owned jobs).
+   sends each rank its regions of the shards' results, then they are written (unscaled, as for
+   owned jobs: the lr shape scale is the commit's).
 
 Which pieces go where is computed once per plan (:func:`~muonkit.distributed.split_schedule.schedule`,
 cached by the strategy) and costs each rank O(its own pieces and shards) per step.
@@ -36,25 +36,24 @@ import torch
 from torch import Tensor
 
 from muonkit.config import MuonConfig
-from muonkit.distributed.base import StrategyStats
 from muonkit.distributed.collectives import Collectives, Pending
+from muonkit.distributed.compute import Compute
 from muonkit.distributed.pieces import Job, Piece, Region, Span, local_part
 from muonkit.distributed.planner import Plan, wire_dtype
 from muonkit.distributed.schedule import Cuts
 from muonkit.distributed.split_plan import Split
 from muonkit.distributed.split_schedule import Member, Part, SplitSchedule, shifted, slice_of, within
-from muonkit.functional.lr_scaling import lr_scale
-from muonkit.functional.sharded import normuon_normalize_shard, orthogonalize_shard, p_rows, shard_flops
+from muonkit.functional.sharded import p_rows, shard_flops
 
 __all__ = ["SplitRun"]
 
 
 class Moments(Protocol):
-    """NorMuon's row moments during a run (the executor's ``_RowMoments``)."""
+    """The update rule's ``"rows"`` states during a run (:class:`~muonkit.distributed.compute.RowStates`)."""
 
-    def old(self, j: int) -> Tensor: ...
+    def old(self, j: int) -> list[Tensor]: ...
 
-    def computed_part(self, j: int, start: int, new: Tensor) -> None: ...
+    def computed_part(self, j: int, offset: int, new: Sequence[Tensor]) -> None: ...
 
 
 class Exchange(Protocol):
@@ -98,32 +97,25 @@ def _to_ranks(
 
 
 class _Writes:
-    """Copies into the updates, applied at once: ``torch._foreach_copy_`` (converting to the
-    update's dtype), then ``torch._foreach_mul_`` per scale (the data is never written: it may be a
-    view of a result still to be sent)."""
+    """Copies into the updates, applied at once: one ``torch._foreach_copy_`` (converting to the
+    update's dtype; the data is never written: it may be a view of a result still to be sent)."""
 
     def __init__(self) -> None:
         self.destinations: list[Tensor] = []
         self.sources: list[Tensor] = []
-        self.scaled: dict[float, list[Tensor]] = {}
 
-    def add(self, copies: list[tuple[Tensor, Tensor]], scale: float) -> None:
-        """Each ``(destination, source)`` of ``copies``, scaled by ``scale``."""
-        self.add_all([d for d, _ in copies], [s for _, s in copies], [scale] * len(copies))
+    def add(self, copies: list[tuple[Tensor, Tensor]]) -> None:
+        """Each ``(destination, source)`` of ``copies``."""
+        self.add_all([d for d, _ in copies], [s for _, s in copies])
 
-    def add_all(self, destinations: list[Tensor], sources: Sequence[Tensor], scales: Sequence[float]) -> None:
-        """Each ``(destinations[n], sources[n])``, scaled by ``scales[n]``."""
+    def add_all(self, destinations: list[Tensor], sources: Sequence[Tensor]) -> None:
+        """Each ``(destinations[n], sources[n])``."""
         self.destinations += destinations
         self.sources += sources
-        for destination, scale in zip(destinations, scales, strict=True):
-            if scale != 1.0:
-                self.scaled.setdefault(scale, []).append(destination)
 
     def apply(self) -> None:
         if self.destinations:
             torch._foreach_copy_(self.destinations, self.sources)
-        for scale, views in self.scaled.items():
-            torch._foreach_mul_(views, scale)
 
 
 class SplitRun:
@@ -132,20 +124,24 @@ class SplitRun:
     def __init__(
         self,
         comm: Collectives,
-        stats: StrategyStats,
+        compute: Compute,
         plan: Plan,
         plan_schedule: SplitSchedule,
         updates: Sequence[Tensor],
         config: MuonConfig,
         exchange: Exchange,
     ) -> None:
-        self.comm, self.stats, self.plan, self.schedule = comm, stats, plan, plan_schedule
+        self.comm, self.compute, self.stats, self.plan, self.schedule = (
+            comm,
+            compute,
+            compute.stats,
+            plan,
+            plan_schedule,
+        )
         self.exchange = exchange
         self.updates, self.config = updates, config
         self.gathers: list[tuple[Pending, Tensor, list[tuple[int, int, int, Part]]]] = []
         self.results: dict[int, Tensor] = {}  # split index -> my shard's direction (storage shape)
-        self.on_owner: dict[int, bool] = {}
-        self.scales: dict[int, float] = {}  # per split: what receivers multiply its result by (this run)
 
     # -- stage 1 -------------------------------------------------------------------------------
 
@@ -265,13 +261,9 @@ class SplitRun:
         received: dict[tuple[int, Piece], list[Tensor]],
         moments: Moments | None,
     ) -> Tensor:
-        """My shard of the job's direction (storage orientation, update dtype; scaled where the wire
-        is as wide as the update, as on one device)."""
+        """My shard of the job's direction (storage orientation, update dtype, unscaled: the lr shape
+        scale is the commit's)."""
         job, config = self.plan.jobs[split.job], self.config
-        like = self.updates[job.tensor]
-        self.on_owner[i] = wire_dtype(config, like) == like.dtype
-        (block,) = job.layout.blocks(job.shape)
-        scale = lr_scale(config.adjust_lr, block.rows, block.cols) if self.on_owner[i] else 1.0
 
         def reduce(t: Tensor) -> Tensor:
             flat = t.reshape(-1)
@@ -287,14 +279,13 @@ class SplitRun:
         shard = self._shard(i, split, member, received)
         n, m = job.shape[split.dim], job.shape[1 - split.dim]
         position = sorted(split.ranks).index(self.comm.rank)
-        direction = orthogonalize_shard(
+        direction = self.compute.shard(
             shard, dim=split.dim, size=n, reduce=reduce, coefficients=options.coefficients, steps=options.steps,
             eps=options.eps, dtype=options.dtype, method=options.method, member=(position, len(split.ranks)),
-            gather=gather if split.by_rows else None, scale=1.0 if config.normuon else scale,
+            gather=gather if split.by_rows else None,
         )  # fmt: skip
-        if config.normuon:
-            assert moments is not None
-            direction = self._normuon(split, member, direction, moments, reduce).mul_(scale)
+        if config.rule.changes_directions:
+            direction = self._after(split, member, direction, moments, reduce)
         width = split.bounds[member.k + 1] - split.bounds[member.k]
         rows = len(p_rows(m, len(split.ranks), position)) if split.by_rows else None
         self.stats.flops += shard_flops(
@@ -303,39 +294,38 @@ class SplitRun:
         self.stats.matrices += int(member.k == 0)  # one matrix, counted once
         return direction
 
-    def _normuon(
-        self, split: Split, member: Member, o: Tensor, moments: Moments, reduce: Callable[[Tensor], Tensor]
+    def _after(
+        self, split: Split, member: Member, o: Tensor, moments: Moments | None, reduce: Callable[[Tensor], Tensor]
     ) -> Tensor:
-        """NorMuon's normalization of my shard: matrix rows are storage rows (``matrix``) or columns
-        (``transposed``); the shard holds whole rows when it is cut along them."""
+        """The update rule's hook on my shard (:meth:`~muonkit.functional.update_rule.UpdateRule.after_shard`):
+        matrix rows are storage rows (``matrix``) or columns (``transposed``); the shard holds whole
+        rows when it is cut along them, and then the ``"rows"`` states of those rows."""
         job = self.plan.jobs[split.job]
         row_dim = 1 if job.layout.resolved(2) == "transposed" else 0
         rows_cut = split.dim != row_dim
         matrix = o.mT if row_dim == 1 else o
-        v = moments.old(split.job)
         start = 0 if rows_cut else split.bounds[member.k]
-        v = v if rows_cut else v[start : start + matrix.size(0)]
+        olds = [] if moments is None else moments.old(split.job)
+        olds = [v[None] if rows_cut else v[start : start + matrix.size(0)][None] for v in olds]
         cols = job.shape[1 - row_dim]
-        normalized, new = normuon_normalize_shard(
-            matrix[None], v[None], rows_cut=rows_cut, cols=cols, reduce=reduce, beta2=self.config.beta2,
-            eps=self.config.eps,
-        )  # fmt: skip
-        if not rows_cut or member.k == 0:  # each new value from one member
-            moments.computed_part(split.job, start, new[0])
+        normalized, news = self.compute.after_shard(
+            self.config, matrix[None], olds, rows_cut=rows_cut, cols=cols, reduce=reduce
+        )
+        if moments is not None and (not rows_cut or member.k == 0):  # each new value from one member
+            moments.computed_part(split.job, start, [new[0] for new in news])
         return normalized[0].mT if row_dim == 1 else normalized[0]
 
     # -- stage 3 -------------------------------------------------------------------------------
 
     def finish(self, out: Sequence[Tensor]) -> None:
         """Send each rank its parts of my shards' results, receive mine, write them into ``out``
-        (batched: one copy of every part, then one multiply per scale, as owned jobs' writes)."""
+        (batched: one copy of every part, as owned jobs' writes)."""
         writes = _Writes()
         flat = self.schedule.flat.writes
         destinations = _views(flat[0], out) if flat is not None else None
         sources = _views(flat[1], self.results) if flat is not None else None
         if flat is not None and destinations is not None and sources is not None:
-            scale = {i: self._scale(i) for i in set(flat[2])}
-            writes.add_all(destinations, sources, [scale[i] for i in flat[2]])
+            writes.add_all(destinations, sources)
         else:
             for i, split in enumerate(self.plan.splits):
                 member = self.schedule.members[i]
@@ -388,42 +378,21 @@ class SplitRun:
             return
         key = ("return ranges", id(expected))  # expected: kept in the memo, as this
         known = self.schedule.memo.get(key)
-        if known is None:  # per range, in buffer order: its size, where it goes, its split
+        if known is None:  # per range, in buffer order: its size and where it goes
             where = [(i, flat[1][(i, k)]) for _, i, k, _ in expected]
             known = self.schedule.memo[key] = (
                 [n for _, (_, sizes) in where for n in sizes],
                 [first + m for _, (first, sizes) in where for m in range(len(sizes))],
-                [i for i, (_, sizes) in where for _ in sizes],
             )
-        sizes, into, splits = known
+        sizes, into = known
         views = torch.split(buffer, sizes) if sizes else ()
-        scale = {i: self._scale(i) for i in set(splits)}
-        writes.add_all([destinations[n] for n in into], views, [scale[i] for i in splits])
+        writes.add_all([destinations[n] for n in into], views)
 
     def _write(self, i: int, piece: Piece, part: Region, data: Tensor, out: Sequence[Tensor], writes: _Writes) -> None:
-        """Put flat ``data`` (``part`` of the job, storage order) into my receiver ``piece`` of ``out``,
-        scaled unless the member did (a ``view.mul_`` after the copy, as owned jobs do), in ``writes``."""
+        """Put flat ``data`` (``part`` of the job, storage order) into my receiver ``piece`` of ``out``, in ``writes``."""
         job = self.plan.jobs[self.plan.splits[i].job]
         view = _view(out[job.tensor], piece)
-        writes.add(within(piece.region, part).copies(view, data), self._scale(i))
-
-    def _scale(self, i: int) -> float:
-        """What a receiver multiplies split ``i``'s result by: 1 where the member scaled it."""
-        scale = self.scales.get(i)
-        if scale is None:
-            scale = 1.0
-            if not self._scaled(i):
-                job = self._job(i)
-                (block,) = job.layout.blocks(job.shape)
-                scale = lr_scale(self.config.adjust_lr, block.rows, block.cols)
-            self.scales[i] = scale
-        return scale
-
-    def _scaled(self, i: int) -> bool:
-        if i in self.on_owner:
-            return self.on_owner[i]
-        like = self.updates[self._job(i).tensor]
-        return wire_dtype(self.config, like) == like.dtype
+        writes.add(within(piece.region, part).copies(view, data))
 
     def _job(self, i: int) -> Job:
         return self.plan.jobs[self.plan.splits[i].job]

@@ -142,12 +142,17 @@ class ZeroStrategy(PlannedStrategy):
         return partition_jobs(self.partition_of(flat), config.layout)
 
     def directions(
-        self, params: list[Tensor], updates: list[Tensor], config: MuonConfig, *, rows: list[Tensor] | None = None
+        self,
+        params: list[Tensor],
+        updates: list[Tensor],
+        config: MuonConfig,
+        *,
+        states: list[list[Tensor]] | None = None,
     ) -> list[Tensor]:
         out = []
         for k, (flat, update) in enumerate(zip(params, updates, strict=True)):  # one exchange per partition
             directions = torch.zeros_like(update)  # padding and gaps between params: zero
-            moments = None if rows is None else [rows[k]]  # every param of the layout's, in order
-            self.run(self.plan(flat, config), [update], [directions], config, rows=moments)
+            mine = None if states is None else [states[k]]  # every param of the layout's, in order
+            self.run(self.plan(flat, config), [update], [directions], config, states=mine)
             out.append(directions)
         return out

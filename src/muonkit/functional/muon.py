@@ -11,8 +11,11 @@ Momentum, one fp32 buffer per parameter, EMA form::
 apply only once every update is known.
 
 Given the momentum updates ``U`` of whole parameter tensors, :func:`muon_directions` returns
-``D = scale(rows, cols) * orthogonalize(U)`` per matrix block, with every block of the same
-``(rows, cols)`` across all tensors stacked into one batched call. :func:`muon_apply_` then does
+``O = orthogonalize(U)`` per matrix block, with every block of the same ``(rows, cols)`` across
+all tensors stacked into one batched call. The lr shape scale is applied once, at the update:
+:func:`scale_` makes ``D = scale(rows, cols) * O`` in ``O``'s dtype (each tensor's scale a number,
+or per element where ``split_sizes`` blocks differ: :func:`tensor_scale`), and
+:func:`muon_apply_` then does
 
     W <- W * (1 - lr * wd)      # decoupled, with the unscaled lr
     W <- W - lr * D
@@ -20,7 +23,7 @@ Given the momentum updates ``U`` of whole parameter tensors, :func:`muon_directi
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -29,7 +32,6 @@ from torch import Tensor
 
 from muonkit.functional.lr_scaling import lr_scale
 from muonkit.functional.matrices import MatrixLayout
-from muonkit.functional.normuon import normuon_normalize, split_rows
 from muonkit.functional.orthogonalize import orthogonalize, orthogonalize_batches
 
 
@@ -103,13 +105,12 @@ def _like_buffers(grads: list[Tensor], buffers: list[Tensor]) -> list[Tensor]:
 
 @dataclass(frozen=True)
 class NSOptions:
-    """How to orthogonalize: the Newton-Schulz schedule and the lr-shape convention."""
+    """How to orthogonalize: the Newton-Schulz schedule (the lr shape scale is the update's: :func:`scale_`)."""
 
     coefficients: str | tuple[tuple[float, float, float], ...] = "polar_express"
     steps: int | None = None
     eps: float = 1e-7
     dtype: torch.dtype | None = None
-    adjust_lr: str | None = "keller"
     method: str = "gram"
     compiled: bool = False
 
@@ -119,7 +120,9 @@ class NSOptions:
         )
 
     def orthogonalize_batches(self, parts: Sequence[Tensor], *, rows: int, cols: int) -> Tensor:
-        """``lr_scale(rows, cols) * orthogonalize(cat(parts))`` for same-shape batches."""
+        """``orthogonalize(cat(parts))`` for same-shape batches of ``rows x cols`` matrices, in the
+        parts' dtype (the lr shape scale is the update's: :func:`scale_`)."""
+        del rows, cols  # the parts' own shape
         return orthogonalize_batches(
             parts,
             coefficients=self.coefficients,
@@ -127,7 +130,6 @@ class NSOptions:
             eps=self.eps,
             dtype=self.dtype,
             method=self.method,
-            scale=lr_scale(self.adjust_lr, rows, cols),
             compiled=self.compiled,
         )
 
@@ -143,7 +145,8 @@ def muon_directions(
     *,
     on_batch: BatchHook | None = None,
 ) -> list[Tensor]:
-    """Scaled orthogonalized directions for whole tensors, same shapes and dtypes as ``updates``."""
+    """Orthogonalized directions ``O`` for whole tensors, same shapes and dtypes as ``updates``
+    (unscaled: :func:`scale_` applies the lr shape scale at the update)."""
 
     def compute(batch: list[Tensor], rows: int, cols: int, members: list[tuple[int, int]]) -> Tensor:
         del members
@@ -152,43 +155,60 @@ def muon_directions(
     return _by_shape(updates, layouts, compute, on_batch)
 
 
-def normuon_directions(
-    updates: Sequence[Tensor],
-    rows: Sequence[Tensor],
-    layouts: Sequence[MatrixLayout],
-    options: NSOptions,
-    *,
-    beta2: float,
-    eps: float,
-    on_batch: BatchHook | None = None,
-) -> tuple[list[Tensor], list[Tensor]]:
-    """NorMuon's directions and new row moments (:mod:`muonkit.functional.normuon`) for whole tensors.
+Scale = float | Tensor | tuple[tuple[int, int, float | Tensor], ...]
+"""A direction's lr shape scale: one number; a tensor of one value per element (``split_sizes``
+blocks of different scales); or ``(start, stop, value)`` runs of the flattened local tensor, each
+a number or a flat tensor (a local tensor holding parts of several whole tensors)."""
 
-    ``rows[i]``: the row moments of ``updates[i]`` (:func:`~muonkit.functional.normuon.normuon_rows`
-    long), not modified. Each matrix is orthogonalized (same-shape matrices batched, as in
-    :func:`muon_directions`), normalized per row, then multiplied by the lr shape scale::
 
-        D = scale(rows, cols) * normuon_normalize(orthogonalize(U), v)
-    """
-    blocks = [split_rows(v, u.shape, layout) for v, u, layout in zip(rows, updates, layouts, strict=True)]
-    new_blocks = [list(b) for b in blocks]
-    plain = dataclasses.replace(options, adjust_lr=None)
+def tensor_scale(shape: Sequence[int], layout: MatrixLayout, adjust_lr: str | None, *, like: Tensor) -> float | Tensor:
+    """The lr shape scale of a whole tensor of ``shape``: a number where every block of ``layout``
+    has the same one, else a tensor of ``shape`` (``like``'s dtype and device) of each element's."""
+    blocks = layout.blocks(tuple(shape))
+    scales = [lr_scale(adjust_lr, b.rows, b.cols) if b.rows and b.cols else 1.0 for b in blocks]  # empty: no element
+    if len(set(scales)) == 1:
+        return scales[0]
+    full = [torch.full((b.count, b.rows, b.cols), s, dtype=like.dtype) for b, s in zip(blocks, scales, strict=True)]
+    return layout.from_matrices(full, tuple(shape)).to(like.device)
 
-    def compute(batch: list[Tensor], r: int, c: int, members: list[tuple[int, int]]) -> Tensor:
-        out = plain.orthogonalize_batches(batch, rows=r, cols=c)
-        v = torch.cat([blocks[ti][bi] for ti, bi in members])
-        out, v_new = normuon_normalize(out, v, beta2=beta2, eps=eps)
-        for (ti, bi), chunk in zip(members, torch.split(v_new, [m.size(0) for m in batch]), strict=True):
-            new_blocks[ti][bi] = chunk
-        scale = lr_scale(options.adjust_lr, r, c)
-        return out if scale == 1.0 else out.mul_(scale)
 
-    directions = _by_shape(updates, layouts, compute, on_batch)
-    new_rows = [
-        v.clone() if not v.numel() else (b[0] if len(b) == 1 else torch.cat(b, dim=1)).reshape(-1).clone()
-        for v, b in zip(rows, new_blocks, strict=True)
-    ]
-    return directions, new_rows
+def scale_(directions: Sequence[Tensor], scales: Sequence[Scale]) -> None:
+    """``D <- scale * D`` in place, in ``D``'s dtype (rounded once): one ``_foreach_mul_`` per distinct
+    number (a ``mul_`` per tensor on the CPU), one ``mul_`` per per-element scale. Scales of 1 are skipped.
+
+    The product is the one the step always formed (the orthogonalized matrix in the update dtype,
+    times the scale, rounded once), except with an ``ns_dtype`` wider than the update's (fp64
+    Newton-Schulz for fp32 updates), where it used to be formed in the compute dtype before the
+    cast: the direction is now rounded first (a last-bit difference)."""
+    by_value: dict[float, list[Tensor]] = {}
+    for d, scale in zip(directions, scales, strict=True):
+        if isinstance(scale, float):
+            by_value.setdefault(scale, []).append(d)
+        elif isinstance(scale, Tensor):
+            d.mul_(scale.view(d.shape))
+        else:
+            flat = d.view(-1)
+            for start, stop, value in scale:
+                part = flat[start:stop]
+                if isinstance(value, Tensor):
+                    part.mul_(value)
+                else:
+                    by_value.setdefault(value, []).append(part)
+    for value, group in by_value.items():
+        if value == 1.0 or not group:
+            continue
+        if group[0].device.type == "cpu":  # the CPU's foreach is a loop of out-of-place products and copies
+            for d in group:  # a held 0-dim CPU tensor: the product of a Python number, without wrapping it
+                d.mul_(_number(value, d.dtype))
+        else:
+            torch._foreach_mul_(group, value)
+
+
+@functools.lru_cache(maxsize=256)
+def _number(value: float, dtype: torch.dtype) -> Tensor:
+    """``value`` as a 0-dim CPU tensor of ``dtype``: what ``mul_(value)`` multiplies by (a wrapped
+    number rounded to the tensor's dtype), made once."""
+    return torch.tensor(value, dtype=dtype)
 
 
 def _by_shape(

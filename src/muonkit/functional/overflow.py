@@ -1,7 +1,7 @@
 r"""How large a gradient (or a param) may be for a step to write only finite values.
 
-A step writes momentum (Muon, NorMuon), ``exp_avg`` and ``exp_avg_sq`` (AdamW), NorMuon's row
-moments, step counts and the params. Each is finite after the step if the step's inputs are
+A step writes momentum (every Muon update rule), ``exp_avg`` and ``exp_avg_sq`` (AdamW), an update
+rule's row states, step counts and the params. Each is finite after the step if the step's inputs are
 finite and within the limits below; the checked step (``nonfinite="skip"`` or ``"raise"``)
 compares each gradient's largest magnitude with its limit in the same max-abs pass that finds
 infs and NaNs, so a step that would overflow anything is skipped (or raised) like one with a
@@ -23,13 +23,13 @@ result lies between ``a`` and ``b``. For ``a <= b``: ``δ = fl(b - a)`` is finit
 being representable, rounding keeps the sum in ``[a, b]``; the other branch and ``a > b`` are
 symmetric.
 
-**Momentum** (Muon and NorMuon ``M <- lerp(M, G, 1 - β)``, Nesterov ``U = lerp(G, M, β)``;
+**Momentum** (every Muon update rule's ``M <- lerp(M, G, 1 - β)``, Nesterov ``U = lerp(G, M, β)``;
 AdamW ``exp_avg`` alike): for every finite ``M``, the new ``M`` and ``U`` are finite iff
 ``|G| < H``: then ``|G - M| < H + F = Ω`` and the lemma bounds both by ``max(|M|, |G|)``; at
 ``G = H``, ``M = -F`` the difference is ``Ω``, inf. :func:`momentum_limit` is the largest
 value below ``H``: fp32 ``2^103 (1 - 2^-24)``. Since ``U`` is finite, so is its orthogonalization
 with a preset's bounded schedule (:func:`muonkit.functional.coefficients.is_preset_schedule`).
-NorMuon's row moments are ``lerp(v, mean(O*O), 1 - β2)`` of finite non-negative values: finite.
+An update rule's row states are finite likewise (each rule's module says why).
 
 **AdamW** (``v <- fl(fl(b v) + c g g)``, ``b = fl(β2)``, ``c = fl(1 - β2)`` as the kernels round
 their scalars, the product ``c g g`` in any order or fused): for every finite ``v >= 0``,
@@ -49,8 +49,9 @@ param dtype is narrower), no finite ``W`` can overflow: :func:`param_limit` retu
 step reads no param. Otherwise it returns the largest ``|W|`` that cannot (negative when none
 can), and the checked step compares the group's params with it too. ``|δ|`` is bounded by
 :func:`muon_update_bound` (``lr`` times the direction's largest entry: its largest singular value
-times the lr shape scale, times ``sqrt(min(rows, cols))`` for NorMuon, whose rows are rescaled to
-the orthogonalized matrix's Frobenius norm) and :func:`adamw_update_bound`
+times the lr shape scale, times the update rule's
+:attr:`~muonkit.functional.update_rule.UpdateRule.direction_factor` where it changes the
+orthogonalized matrix) and :func:`adamw_update_bound`
 (``lr / (1 - β1) * exp_avg_limit / fl(eps)``). At lr 0.02, weight decay <= 2 / lr and eps 1e-8
 that is some 24 orders of magnitude below what could overflow fp32: the params are compared only
 in groups whose settings are far outside what trains.
@@ -178,14 +179,12 @@ def adamw_gradient_limit(*, beta2: float, eps: float, state_dtype: torch.dtype) 
     return min(squares, adamw_exp_avg_limit(eps=eps, state_dtype=state_dtype))
 
 
-def muon_update_bound(*, lr: float, top: float, scale: float, rows_cols: tuple[int, int] | None = None) -> float:
+def muon_update_bound(*, lr: float, top: float, scale: float, factor: float = 1.0) -> float:
     """A bound on ``|lr * D|`` entrywise, ``D`` a Muon direction (``scale`` times an orthogonalized
-    matrix whose singular values are at most ``top``: its entries are too); for NorMuon
-    (``rows_cols`` given), times ``sqrt(min(rows, cols))``: a row-normalized matrix rescaled to
-    the Frobenius norm of one with ``min(rows, cols)`` singular values ``<= top``. Twice that, for
+    matrix whose singular values are at most ``top``: its entries are too), times ``factor``: an
+    update rule's bound on what it does after the orthogonalization (1 for Muon). Twice that, for
     the rounding of the iteration in a low-precision compute dtype."""
-    normuon = 1.0 if rows_cols is None else math.sqrt(min(rows_cols))
-    return 2.0 * lr * top * scale * normuon
+    return 2.0 * lr * top * scale * factor
 
 
 def adamw_update_bound(*, lr: float, beta1: float, eps: float, state_dtype: torch.dtype) -> float:

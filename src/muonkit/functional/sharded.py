@@ -1,4 +1,4 @@
-"""Newton-Schulz (and NorMuon's row normalization) on one shard of a matrix cut along its long side.
+"""Newton-Schulz on one shard of a matrix cut along its long side.
 
 A matrix too costly for one rank is orthogonalized by a group of ranks, each holding a block of
 its long side. Write the iteration on ``X`` (short side first, ``m x n``, ``m <= n``) cut into
@@ -42,11 +42,11 @@ Which side to cut: the long one, so that ``A`` is the small ``m x m`` Gram matri
 numbers summed per step, against the ``m n / g`` numbers a shard holds), and the one
 :func:`~muonkit.functional.orthogonalize` iterates along (the columns of a square matrix), so
 that the products round alike. For a tall matrix in PyTorch's ``(out, in)`` orientation that is
-its rows: the row blocks FSDP2's ``Shard(0)`` already holds. NorMuon
-(:func:`normuon_normalize_shard`) normalizes each row of the whole result and needs one more
-sum either way: 2 numbers when the shards hold whole rows (a tall matrix, cut along its rows), a
-vector of one number per row (the short side) when every row is cut (a wide one, cut along its
-columns); both are small, so NorMuon does not decide the side.
+its rows: the row blocks FSDP2's ``Shard(0)`` already holds. An update rule that normalizes each
+row of the whole result (:meth:`~muonkit.functional.update_rule.UpdateRule.after_shard`) needs one
+more sum either way: 2 numbers when the shards hold whole rows (a tall matrix, cut along its
+rows), a vector of one number per row (the short side) when every row is cut (a wide one, cut
+along its columns); both are small, so such a rule does not decide the side.
 
 Example (one shard holding the whole matrix: ``reduce`` is the identity)::
 
@@ -83,7 +83,6 @@ __all__ = [
     "Gather",
     "Reduce",
     "norm_sum_numel",
-    "normuon_normalize_shard",
     "orthogonalize_shard",
     "p_rows",
     "shard_collectives",
@@ -258,36 +257,6 @@ def _normalize_shard_into(x: Tensor, out: Tensor, k: float, reduce: Reduce) -> N
     s = torch.ldexp(sums, 2 * _BAND * (offsets - top).clamp_max(0)).sum(dim=1)  # bands above T hold 0
     divisor = torch.where(s > 0, k * s.sqrt(), torch.ones_like(s)).view(-1, 1, 1)
     torch.div(torch.ldexp(mantissa, exponent - _BAND * top.view(-1, 1, 1)), divisor, out=out)
-
-
-def normuon_normalize_shard(
-    o: Tensor, v: Tensor, *, rows_cut: bool, cols: int, reduce: Reduce, beta2: float, eps: float
-) -> tuple[Tensor, Tensor]:
-    """NorMuon's ``(Ô, v_new)`` (:func:`~muonkit.functional.normuon.normuon_normalize`) on a shard.
-
-    ``o``: ``(..., rows, cols_i)`` the shard of the orthogonalized matrices, in the matrices' own
-    orientation (rows = output neurons); ``v``: ``(..., rows)`` the moments of the rows it holds.
-    ``rows_cut``: the shards cut every row (a block of columns each), so each row's sum of squares
-    is summed over the shards; else each shard holds whole rows. ``cols``: the whole's columns.
-    One ``reduce`` either way: the row sums (rows cut) or the two Frobenius norms (whole rows);
-    ``||Ô||_F`` follows from the row sums, ``sum_r ||o_r||^2 / (sqrt(v_r) + eps)^2``.
-    """
-    if o.shape[:-1] != v.shape:
-        raise ValueError(f"normuon_normalize_shard: v has shape {tuple(v.shape)}, the rows of o {tuple(o.shape[:-1])}")
-    work = o.to(v.dtype)
-    row_sq = work.square().sum(dim=-1, dtype=torch.float64)
-    if rows_cut:
-        row_sq = reduce(row_sq)
-    v_new = torch.lerp(v, (row_sq / max(cols, 1)).to(v.dtype), 1.0 - beta2)
-    divisor = v_new.sqrt() + eps
-    norms = torch.stack([row_sq.sum(dim=-1), (row_sq / divisor.double().square()).sum(dim=-1)], dim=-1)
-    if not rows_cut:
-        norms = reduce(norms)
-    before, after = norms.sqrt().unbind(-1)
-    ratio = (before / after.clamp_min(torch.finfo(v.dtype).tiny)).to(v.dtype)
-    normalized = work / divisor.unsqueeze(-1)
-    normalized.mul_(ratio.unsqueeze(-1).unsqueeze(-1))
-    return normalized.to(o.dtype), v_new
 
 
 def shard_flops(

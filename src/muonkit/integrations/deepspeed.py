@@ -189,9 +189,14 @@ class _Unbound(Strategy):
         raise RuntimeError(_NOT_SET_UP)
 
     def directions(
-        self, params: list[Tensor], updates: list[Tensor], config: MuonConfig, *, rows: list[Tensor] | None = None
+        self,
+        params: list[Tensor],
+        updates: list[Tensor],
+        config: MuonConfig,
+        *,
+        states: list[list[Tensor]] | None = None,
     ) -> list[Tensor]:
-        del params, updates, config, rows
+        del params, updates, config, states
         raise RuntimeError(_NOT_SET_UP)
 
 

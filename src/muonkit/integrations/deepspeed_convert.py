@@ -7,8 +7,8 @@ Every rank's checkpoint file holds its flat partition of the fp32 master weights
 optimizer state (Muon ``momentum_buffer``; AdamW ``exp_avg``, ``exp_avg_sq``). All of these are
 elementwise, so re-partitioning is exact: concatenate the W partitions back into the flat group
 (or, at ZeRO-3, into each parameter), cut it again the way DeepSpeed cuts it for N ranks, and
-write N files. Scalars (AdamW ``step``, lr, loss scaler, scheduler) and NorMuon's row moments
-(``row_exp_avg_sq``: whole on every rank, one value per matrix row of the group) are copied. The model-state
+write N files. Scalars (AdamW ``step``, lr, loss scaler, scheduler) and an update rule's ``"rows"`` states
+(whole on every rank, one value per matrix row of the group) are copied. The model-state
 files are copied with ``dp_world_size`` set to N.
 
 Supported: ZeRO-1/2 (``DeepSpeedZeroOptimizer``, also with bf16), DeepSpeed's BF16 optimizer
@@ -46,6 +46,7 @@ import torch
 from torch import Tensor
 
 from muonkit.atomic import check_replaceable, prepare_dir, publish_dir, replace_file
+from muonkit.functional.rules import WHOLE_STATES
 from muonkit.integrations.deepspeed_checkpoint import SAFE_CLASSES, latest_tag
 
 __all__ = ["SAFE_CLASSES", "convert", "main"]
@@ -301,7 +302,7 @@ def _check_states(states: list[dict[str, Any]], partitions: list[Tensor], what: 
 
 def _partitioned(key: str, value: Any) -> bool:
     """Whether a state entry is laid out like the flat partition (else it is copied as it is)."""
-    return torch.is_tensor(value) and value.ndim > 0 and key != "row_exp_avg_sq"
+    return torch.is_tensor(value) and value.ndim > 0 and key not in WHOLE_STATES
 
 
 def _repartition_params(parts: list[Tensor], numels: list[int], old: int, world: int) -> list[Tensor]:

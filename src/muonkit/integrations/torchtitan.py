@@ -68,7 +68,7 @@ class HybridMuonContainer(OptimizersContainer):
         """Routing overrides, checked first: ``(regex on the param name, "muon" | "adamw")``."""
         split_qkv: bool = False
         muon_algorithm: str = "muon"
-        """The hidden matrices' algorithm: ``"muon"`` or ``"normuon"``."""
+        """The hidden matrices' algorithm: ``"muon"`` or another update rule (:data:`muonkit.functional.rules.RULES`)."""
         muon_options: dict[str, Any] = field(default_factory=dict)
         """Other Muon group keys, set in the groups."""
         adamw_options: dict[str, Any] = field(default_factory=dict)

@@ -32,7 +32,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from muonkit.config import MUON_KEYS, NORMUON_KEYS, check_group_keys
+from muonkit.config import MATRIX_KEYS, MUON_KEYS, RULE_KEYS, check_group_keys
 from muonkit.defaults import DEFAULTS, Defaults
 from muonkit.distributed import world_size
 from muonkit.optimizer import HybridMuon
@@ -103,11 +103,11 @@ def make_optimizer(
       and none on biases and norm gains, as the Trainer's own optimizer does.
     - Muon groups: lr ``muon_lr``, the same weight decay, and any ``muon_options``
       (``adjust_lr``, ``ns_coefficients``, ``momentum``...; an unknown one is an error).
-      ``muon_algorithm="normuon"`` makes them NorMuon groups (``beta2`` and ``eps`` among
-      ``muon_options``, else HybridMuon's NorMuon defaults).
-    - ``cautious_wd``: cautious weight decay on every group (Muon, NorMuon and AdamW).
+      ``muon_algorithm`` names their update rule (:data:`muonkit.functional.rules.RULES`; the
+      rule's own keys among ``muon_options``, else HybridMuon's defaults for that rule).
+    - ``cautious_wd``: cautious weight decay on every group (every update rule and AdamW).
     - Any other keyword of :class:`muonkit.HybridMuon` among ``muon_options`` that is not a Muon
-      group key (``nonfinite``, ``betas``, ``normuon_beta2``...: :class:`muonkit.defaults.Defaults`)
+      group key (``nonfinite``, ``betas``, a rule's keywords...: :class:`muonkit.defaults.Defaults`)
       is passed to it, over what ``args`` says.
 
     Pass it as ``Trainer(..., optimizers=(make_optimizer(model, args), None))``.
@@ -123,7 +123,7 @@ def make_optimizer(
     """
     _check_trainer_mode(args)
     keywords = {k: muon_options.pop(k) for k in [k for k in muon_options if k in _KEYWORDS]}
-    allowed = NORMUON_KEYS if muon_algorithm == "normuon" else MUON_KEYS
+    allowed = RULE_KEYS.get(muon_algorithm, MUON_KEYS)
     check_group_keys(muon_options, " among make_optimizer's Muon options", allowed=allowed, algorithm=muon_algorithm)
     if process_group is None and world_size() > 1:
         process_group = torch.distributed.group.WORLD
@@ -146,8 +146,8 @@ def make_optimizer(
     return HybridMuon(no_decay_on_vectors(groups), process_group=process_group, **{**settings, **adamw, **keywords})
 
 
-_KEYWORDS = frozenset(f.name for f in fields(Defaults)) - set(NORMUON_KEYS)
-"""HybridMuon's keywords that are no Muon or NorMuon group key: passed to the optimizer, not the groups."""
+_KEYWORDS = frozenset(f.name for f in fields(Defaults)) - set(MATRIX_KEYS)
+"""HybridMuon's keywords that are no group key of an update rule: passed to the optimizer, not the groups."""
 
 
 def _check_trainer_mode(args: Any | None) -> None:

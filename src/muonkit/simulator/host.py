@@ -19,19 +19,20 @@ import contextlib
 import statistics
 import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from muonkit.config import MuonConfig
-from muonkit.distributed.base import StrategyStats
 from muonkit.distributed.collectives import Collectives, Pending
+from muonkit.distributed.compute import Compute, StrategyStats
 from muonkit.distributed.executor import PlannedStrategy
 from muonkit.distributed.pieces import Job
 from muonkit.functional.matrices import MatrixLayout
 from muonkit.functional.muon import NSOptions
+from muonkit.functional.update_rule import Reduce
 
 __all__ = ["host_step"]
 
@@ -43,13 +44,13 @@ def host_step(stage: Any, rank: int, *, repeats: int = 5) -> dict[str, float]:
     strategy = _Simulated(rank, stage.world_size)
     calls = [(group.plan, _locals(group, rank), group.config) for group in stage.groups]
     times = []
-    with _fast_meta_cat(), _split_newton_schulz_left_out(strategy):
+    with _fast_meta_cat():
         for _ in range(repeats + 1):
-            strategy.stand_in = 0.0
+            strategy.timed.stand_in = 0.0
             start = time.thread_time()
             for plan, updates, config in calls:
                 strategy.run(plan, updates, updates, config)
-            times.append(time.thread_time() - start - strategy.stand_in)
+            times.append(time.thread_time() - start - strategy.timed.stand_in)
     return {"first_step_s": times[0], "step_s": statistics.median(times[1:]) if repeats else times[0]}
 
 
@@ -72,33 +73,6 @@ def _fast_meta_cat() -> Iterator[None]:
         yield
     finally:
         library._destroy()
-
-
-@contextlib.contextmanager
-def _split_newton_schulz_left_out(strategy: _Simulated) -> Iterator[None]:
-    """A split job's Newton-Schulz (its iteration on a shard, the sums and gathers among its members)
-    timed into ``strategy.stand_in`` for the duration, as :meth:`_Simulated.compute` stands in for a
-    whole one: on meta tensors its arithmetic is the Python of dispatching it, not host work."""
-    from muonkit.distributed import split_run
-
-    real = split_run.orthogonalize_shard, split_run.normuon_normalize_shard
-
-    def timed(function: Callable[..., Any]) -> Any:
-        def run(*args: Any, **kwargs: Any) -> Any:
-            start = time.thread_time()
-            try:
-                return function(*args, **kwargs)
-            finally:
-                strategy.stand_in += time.thread_time() - start
-
-        return run
-
-    split_run.orthogonalize_shard = timed(real[0])
-    split_run.normuon_normalize_shard = timed(real[1])
-    try:
-        yield
-    finally:
-        split_run.orthogonalize_shard, split_run.normuon_normalize_shard = real
 
 
 def _locals(group: Any, rank: int) -> list[Tensor]:
@@ -137,6 +111,48 @@ class _Done:
         return None
 
 
+class _StandIn(Compute):
+    """The math of one simulated rank, on meta tensors, timed into ``stand_in`` (left out of the host
+    work): a whole matrix's directions are an empty result; a split job's Newton-Schulz (its
+    iteration on a shard, the sums and gathers among its members) and update rule run, since their
+    arithmetic on meta tensors is the Python of dispatching it, not host work."""
+
+    def __init__(self, stats: StrategyStats) -> None:
+        super().__init__(stats)
+        self.stand_in = 0.0
+        """Seconds spent standing in for Newton-Schulz (left out of the host work)."""
+
+    def __call__(
+        self,
+        wholes: Sequence[Tensor],
+        layouts: Sequence[MatrixLayout],
+        config: MuonConfig,
+        *,
+        options: NSOptions | None = None,
+        states: Sequence[Sequence[Tensor]] | None = None,
+    ) -> tuple[list[Tensor], list[list[Tensor]]]:
+        start = time.thread_time()
+        directions = [w.new_empty(w.shape) for w in wholes]
+        self.stand_in += time.thread_time() - start
+        return directions, []
+
+    def shard(self, shard: Tensor, **options: Any) -> Tensor:
+        start = time.thread_time()
+        try:
+            return super().shard(shard, **options)
+        finally:
+            self.stand_in += time.thread_time() - start
+
+    def after_shard(
+        self, config: MuonConfig, o: Tensor, olds: Sequence[Tensor], *, rows_cut: bool, cols: int, reduce: Reduce
+    ) -> tuple[Tensor, list[Tensor]]:
+        start = time.thread_time()
+        try:
+            return super().after_shard(config, o, olds, rows_cut=rows_cut, cols=cols, reduce=reduce)
+        finally:
+            self.stand_in += time.thread_time() - start
+
+
 class _Simulated(PlannedStrategy):
     """The executor on one simulated rank: Newton-Schulz replaced by an empty result."""
 
@@ -144,22 +160,8 @@ class _Simulated(PlannedStrategy):
 
     def __init__(self, rank: int, world_size: int) -> None:
         super().__init__(None, comm=lambda stats: _Stub(rank, world_size, stats))
-        self.stand_in = 0.0
-        """Seconds spent standing in for Newton-Schulz (left out of the host work)."""
+        self.timed = _StandIn(self.stats)
+        self.compute = self.timed
 
     def jobs(self, params: list[Tensor], updates: list[Tensor], config: MuonConfig) -> list[Job]:
         raise NotImplementedError("the simulator hands the executor its plans")
-
-    def compute(
-        self,
-        wholes: Sequence[Tensor],
-        layouts: Sequence[MatrixLayout],
-        config: MuonConfig,
-        *,
-        options: NSOptions | None = None,
-        rows: Sequence[Tensor] | None = None,
-    ) -> tuple[list[Tensor], list[Tensor]]:
-        start = time.thread_time()
-        directions = [w.new_empty(w.shape) for w in wholes]
-        self.stand_in += time.thread_time() - start
-        return directions, []
