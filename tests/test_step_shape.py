@@ -15,6 +15,7 @@ import textwrap
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import torch
 
 import muonkit
@@ -104,10 +105,22 @@ def step_shape(cls: type) -> tuple[int, int]:
 # ---------------------------------------------------------------- the library
 
 
+def check_contract(cls: type) -> None:
+    """``cls`` defines at most :data:`MAX_METHODS` public methods (those :data:`LEAVING` aside)."""
+    methods = [m for m in public_methods(cls) if m not in LEAVING]
+    assert len(methods) <= MAX_METHODS, f"{cls.__name__} has {len(methods)} methods: {methods}"
+
+
+def check_step(cls: type) -> None:
+    """``cls.step`` (with the method it wraps) fits on one screen, with few branches."""
+    lines, total = step_shape(cls)
+    assert lines <= MAX_LINES, f"{cls.__name__}.step is {lines} lines (with the method it wraps)"
+    assert total <= MAX_COMPLEXITY, f"{cls.__name__}.step has cyclomatic complexity {total}"
+
+
 def test_the_strategy_contract_has_at_most_eight_methods() -> None:
-    methods = [m for m in public_methods(Strategy) if m not in LEAVING]
-    assert len(methods) <= MAX_METHODS, methods
-    assert "guard" in methods
+    check_contract(Strategy)
+    assert "guard" in public_methods(Strategy)
 
 
 def test_the_strategy_makes_the_guard_once() -> None:
@@ -116,9 +129,7 @@ def test_the_strategy_makes_the_guard_once() -> None:
 
 
 def test_the_step_fits_on_one_screen() -> None:
-    lines, total = step_shape(muonkit.HybridMuon)
-    assert lines <= MAX_LINES, f"HybridMuon.step is {lines} lines (with the method it wraps)"
-    assert total <= MAX_COMPLEXITY, f"HybridMuon.step has cyclomatic complexity {total}"
+    check_step(muonkit.HybridMuon)
 
 
 # ---------------------------------------------------------------- the measures can fail
@@ -131,7 +142,6 @@ class _NineMethods(Strategy):
     def d(self) -> None: ...
     def e(self) -> None: ...
     def f(self) -> None: ...
-    def g(self) -> None: ...
 
     @property
     def h(self) -> int:
@@ -147,9 +157,10 @@ class _NineMethods(Strategy):
         raise NotImplementedError
 
 
-def test_a_contract_of_nine_methods_is_counted_nine() -> None:
-    assert len(public_methods(_NineMethods)) == 10  # a..i and directions; not _private, not inherited ones
-    assert len([m for m in public_methods(_NineMethods) if m != "directions"]) > MAX_METHODS
+def test_a_contract_of_nine_methods_fails() -> None:
+    assert len(public_methods(_NineMethods)) == 9  # a..f, h, i, directions; not _private, not inherited ones
+    with pytest.raises(AssertionError, match="_NineMethods has 9 methods"):
+        check_contract(_NineMethods)
 
 
 class _Tangled:
@@ -193,7 +204,26 @@ class _Tangled:
         x += 1
 
 
-def test_a_long_branchy_step_is_measured_so() -> None:
+def test_a_long_branchy_step_is_measured_so_and_fails() -> None:
     lines, total = step_shape(_Tangled)
-    assert total == 1 + 1 + 10 == 12 > MAX_COMPLEXITY  # step's except, _step's ten branches
-    assert lines == 5 + 28 > MAX_LINES  # the def lines counted, the docstring, the comment and blanks not
+    assert total == 1 + 1 + 10 == 12  # step's except, _step's ten branches
+    assert lines == 5 + 28  # the def lines counted, the docstring, the comment and blanks not
+    with pytest.raises(AssertionError, match=r"^_Tangled\.step is 33 lines"):
+        check_step(_Tangled)
+    assert step_shape(_Branchy) == (8, 11)
+    with pytest.raises(AssertionError, match=r"^_Branchy\.step has cyclomatic complexity 11"):
+        check_step(_Branchy)
+
+
+class _Branchy:
+    """A short step with one branch too many."""
+
+    def step(self, x: int) -> int:
+        if x:  # 1
+            return self._step(x)
+        return 0
+
+    def _step(self, x: int) -> int:
+        while x and x > 1 and x > 2 and x > 3:  # 4
+            x = 1 if x > 4 else 2  # 1
+        return sum(i for i in range(x) if i if i > 1) or 0  # 4
