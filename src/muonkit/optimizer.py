@@ -7,8 +7,8 @@ The optimizer validates, keeps state and orchestrates; each concern has its own 
   a state dict before it loads;
 - :mod:`muonkit.strategy_choice`: the distribution strategy, picked once, at the first ``step()``,
   by :func:`muonkit.distributed.select_strategy`; :mod:`muonkit.capturable`: device-held rates;
-- the stages of a step: :mod:`muonkit.stages` (Muon's directions and commit, AdamW's step) and
-  :mod:`muonkit.verdict` (whether the step applies);
+- the stages of a step: :mod:`muonkit.stages` (Muon's directions and commit, AdamW's step);
+  whether it applies: the strategy's guard (:mod:`muonkit.distributed.guard`);
 - the math in :mod:`muonkit.functional`; :class:`muonkit.Muon` (torch's signature) in
   :mod:`muonkit.torch_muon`.
 
@@ -17,7 +17,6 @@ The whole behaviour, with the reasons for the defaults: ``docs/optimizer.md``.
 
 from __future__ import annotations
 
-import functools
 import inspect
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import fields
@@ -28,7 +27,6 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from muonkit import capturable as rates_on_device
-from muonkit import verdict
 from muonkit.config import (
     MATRIX_ALGORITHMS,
     OPTIMIZER_KEYWORDS,
@@ -42,7 +40,7 @@ from muonkit.config import (
 )
 from muonkit.defaults import DEFAULTS, Defaults
 from muonkit.distributed import Strategy, world_size
-from muonkit.distributed.agreement import settings_of
+from muonkit.distributed.guard import Guard, Verdict, participation
 from muonkit.functional.rules import RULES, rule_keywords
 from muonkit.group_checks import (
     check_keywords,
@@ -111,7 +109,7 @@ class HybridMuon(Optimizer):
         cautious_wd: default of every group's ``cautious_wd``: decay only the entries whose
             update and weight agree in sign (:func:`muonkit.functional.cautious_decay_`).
         nonfinite: ``"skip"`` (default), ``"raise"`` or ``"unchecked"``: what a non-finite (or
-            overflowing) gradient or Muon update does (:mod:`muonkit.verdict`).
+            overflowing) gradient or Muon update does (:mod:`muonkit.distributed.guard`).
         capturable: a step with no host read, for ``torch.compile`` and CUDA graphs; needs
             ``nonfinite="unchecked"`` and one device (:mod:`muonkit.capturable`).
         ns_compile: run the Newton-Schulz iteration through ``torch.compile``.
@@ -221,11 +219,12 @@ class HybridMuon(Optimizer):
         params = self._all_params()
         return choose_strategy(params, process_group=self._process_group, built_distributed=self._built_distributed)
 
-    def _strategy_for_step(self, has_grad: list[bool], settings: Callable[[], Sequence[Any]]) -> Strategy:
+    def _strategy_for_step(self, configs: list[MuonConfig | AdamWConfig]) -> Strategy:
         if self._strategy is None:
             try:
                 self._strategy = self._choose_strategy()
             except ValueError:  # join the other ranks' agreement first, so that every rank raises
+                has_grad, settings = participation(self.param_groups, configs, nonfinite=self.nonfinite)
                 agree_before_refusing(
                     self._all_params(), process_group=self._process_group, has_grad=has_grad, settings=settings
                 )
@@ -296,25 +295,25 @@ class HybridMuon(Optimizer):
             return self._step(closure)
         except BaseException as error:
             if self._strategy is not None:
-                self._strategy.step_failed(error, applied=self._step_wrote)
+                self._strategy.guard.step_failed(error, applied=self._step_wrote)
             raise
 
     def _step(self, closure: Callable[[], Any] | None) -> Any:
-        """The stages of :meth:`step` (which tells the other ranks when it raises)."""
+        """The stages of :meth:`step` (which tells the other ranks when it raises); whether the step
+        applies is its guard's (:mod:`muonkit.distributed.guard`)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         configs = self._group_configs()
-        strategy, work = self._checked_work(configs)
-        chunks = self._directions(configs, work)  # computed as they are committed, or held by the verdict
-        goes_on, stream, chunks = verdict.before_commit(self, work, configs, chunks)
-        if goes_on:
-            deferred = self._commit(configs, work, chunks, stream)
-            if stream is None or self._stream_outcome(stream):
+        guard, work = self._checked_work(configs)
+        verdict = guard.before(self, work, configs, self._directions(configs, work))
+        if verdict.applies:
+            deferred = self._commit(configs, work, verdict)
+            if guard.outcome(self, verdict):
                 for params, config, rates in deferred:
                     self._adamw_step(params, config, rates)
-        strategy.end_step()
+        guard.end()
         return loss
 
     def _group_configs(self) -> list[MuonConfig | AdamWConfig]:
@@ -335,20 +334,18 @@ class HybridMuon(Optimizer):
             configs.append(validated(rates_on_device.unread(group), i))
         return configs
 
-    def _checked_work(self, configs: list[MuonConfig | AdamWConfig]) -> tuple[Strategy, list[list[Tensor]]]:
-        """The strategy (chosen at the first step) and the params each group steps, after every
-        check a step could otherwise fail halfway, and the ranks' agreement on them."""
-        has_grad = [p.grad is not None for g in self.param_groups for p in g["params"]]
-        settings = functools.partial(settings_of, configs, self.param_groups, nonfinite=self.nonfinite)
-        strategy = self._strategy_for_step(has_grad, settings)
+    def _checked_work(self, configs: list[MuonConfig | AdamWConfig]) -> tuple[Guard, list[list[Tensor]]]:
+        """The strategy's guard (the strategy chosen at the first step) and the params each group
+        steps, after every check a step could otherwise fail halfway."""
+        strategy = self._strategy_for_step(configs)
         if self.capturable:
             rates_on_device.check_capturable_strategy(strategy)
-        strategy.align_grads([p for g in self.param_groups for p in g["params"] if p.grad is not None])
+        guard = strategy.guard
+        guard.align_grads([p for g in self.param_groups for p in g["params"] if p.grad is not None])
         work = checked_work(self.param_groups, configs, strategy=strategy, state=self.state)
         if not any(work):
             warn_no_gradients(self.param_groups)
-        strategy.check_participation(has_grad, settings)
-        return strategy, work
+        return guard, work
 
     def _directions(
         self, configs: list[MuonConfig | AdamWConfig], work: list[list[Tensor]]
@@ -362,11 +359,7 @@ class HybridMuon(Optimizer):
         ]
 
     def _commit(
-        self,
-        configs: list[MuonConfig | AdamWConfig],
-        work: list[list[Tensor]],
-        chunks: list[Iterable[MuonChunk]],
-        stream: verdict.Stream | None,
+        self, configs: list[MuonConfig | AdamWConfig], work: list[list[Tensor]], verdict: Verdict[MuonChunk]
     ) -> list[tuple[list[Tensor], AdamWConfig, Rates]]:
         """Apply every Muon chunk, and the AdamW groups unless they wait for the verdict (returned)."""
         deferred = []
@@ -374,22 +367,17 @@ class HybridMuon(Optimizer):
             rates: list[Rates] = [(g["lr"], g["weight_decay"]) for g in self.param_groups]
         else:
             rates = [(c.lr, c.weight_decay) for c in configs]
-        for config, params, pending, rate in zip(configs, work, chunks, rates, strict=True):
+        for config, params, pending, rate in zip(configs, work, verdict.chunks, rates, strict=True):
             if isinstance(config, MuonConfig):
                 for batch in commit_batches(pending):
                     commit_muon(
-                        batch, config, rate, stream, strategy=self.strategy, state=self.state, wrote=self._wrote
+                        batch, config, rate, verdict.stream, strategy=self.strategy, state=self.state, wrote=self._wrote
                     )
-            elif stream is not None and stream.defers_adamw:
+            elif verdict.defers_adamw:
                 deferred.append((params, cast(AdamWConfig, config), rate))
             else:
                 self._adamw_step(params, cast(AdamWConfig, config), rate)
         return deferred
-
-    def _stream_outcome(self, stream: verdict.Stream) -> bool:
-        """Whether a streamed step goes on to its deferred AdamW updates: the verdict's one read
-        (:func:`muonkit.verdict.stream_outcome`), the step's last collective."""
-        return verdict.stream_outcome(self, stream)
 
     def _adamw_step(self, params: list[Tensor], config: AdamWConfig, rates: Rates) -> None:
         adamw_step(

@@ -4,7 +4,7 @@
 (momentum buffers and the update rule's states are read, new ones made but not stored);
 :func:`commit_muon` stores and advances the momentum the directions were computed from and
 applies them (:func:`muonkit.functional.muon.muon_apply_`), masked on the device by a streamed
-verdict (:class:`muonkit.verdict.Stream`) where there is one. :func:`adamw_step` is
+verdict (:class:`muonkit.distributed.guard.Stream`) where there is one. :func:`adamw_step` is
 ``torch.optim.AdamW`` (foreach, :func:`muonkit.functional.adamw.adamw_`): states made at a
 param's first step, ``step`` counts on the host (capturable: on the params' device). Where
 tensors live (local shards, owners, collectives) is the strategy's business; the math is
@@ -22,6 +22,7 @@ from torch import Tensor
 
 from muonkit.config import AdamWConfig, MuonConfig
 from muonkit.distributed import Strategy
+from muonkit.distributed.guard import Stream
 from muonkit.functional.adamw import adamw_
 from muonkit.functional.lr_scaling import lr_scale
 from muonkit.functional.muon import (
@@ -37,7 +38,6 @@ from muonkit.functional.muon import (
 from muonkit.functional.update_rule import StateSpec
 from muonkit.limits import work_dtype
 from muonkit.state_checks import row_count
-from muonkit.verdict import Stream
 
 Rates = tuple[float | Tensor, float | Tensor]
 """A group's ``(lr, weight_decay)`` as a step applies them: numbers, or capturable, 0-dim device tensors."""

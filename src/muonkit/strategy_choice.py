@@ -95,7 +95,7 @@ def agree_before_refusing(
         probe = select_strategy(sharded, process_group=process_group)
     except (ValueError, NotImplementedError):
         return  # the DTensors alone are refused too: on every rank that holds them
-    probe.check_participation(has_grad, settings)
+    probe.guard.agree(has_grad, settings)
 
 
 def placement_before_choice(strategy: Strategy | None) -> PlacementReaders:

@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from muonkit.config import MuonConfig
 from muonkit.distributed.base import Strategy
+from muonkit.distributed.guard import Guard
 from muonkit.functional.muon import muon_directions
 
 
@@ -48,16 +49,27 @@ class NaiveMeshStrategy(Strategy):
     def new_state(self, param: Tensor, dtype: torch.dtype) -> Tensor:
         return torch.zeros_like(param, dtype=dtype)  # a DTensor laid out like the param
 
-    def all_true(self, flags: Tensor) -> list[bool]:
-        verdicts = flags.reshape(-1).to(torch.int32)
-        dist.all_reduce(verdicts, op=dist.ReduceOp.MIN, group=self.group)
-        return [bool(v) for v in verdicts.tolist()]
+    @functools.cached_property
+    def guard(self) -> Guard:
+        return _NaiveGuard(self.group)
 
     def muon_directions(self, params: list[Tensor], updates: list[Tensor], config: MuonConfig) -> list[Tensor]:
         whole = [_whole(p, u) for p, u in zip(params, updates, strict=True)]
         hook = functools.partial(self.compute.count, config=config)
         found = muon_directions(whole, [config.layout] * len(whole), config.ns_options, on_batch=hook)
         return [_local_part(p, d, u) for p, d, u in zip(params, found, updates, strict=True)]
+
+
+class _NaiveGuard(Guard):
+    """One device's guard, but its verdicts AND-ed over the group."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+
+    def all_true(self, flags: Tensor) -> list[bool]:
+        verdicts = flags.reshape(-1).to(torch.int32)
+        dist.all_reduce(verdicts, op=dist.ReduceOp.MIN, group=self.group)
+        return [bool(v) for v in verdicts.tolist()]
 
 
 def whole(t: Tensor) -> Tensor:

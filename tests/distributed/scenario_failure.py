@@ -120,13 +120,13 @@ def _after(original: Callable[..., Any]) -> Callable[..., Any]:
     return run_then_raise
 
 
-# Where the last rank raises: (the optimizer or its strategy, the method replaced for one step, by what)
+# Where the last rank raises: (the optimizer, its strategy or its guard, the method replaced for one step, by what)
 POINTS: dict[str, tuple[str, str, Callable[[Callable[..., Any]], Callable[..., Any]]]] = {
-    "before the agreement": ("strategy", "align_grads", lambda _: _raiser),
+    "before the agreement": ("guard", "align_grads", lambda _: _raiser),
     "before the exchanges": ("strategy", "directions", lambda _: _raiser),
     "in Newton-Schulz": ("strategy", "compute", lambda _: _raiser),
-    "after the exchanges": ("optimizer", "_stream_outcome", lambda _: _raiser),  # before the final verdict
-    "after the last collective": ("optimizer", "_stream_outcome", _after),
+    "after the exchanges": ("guard", "outcome", lambda _: _raiser),  # before the final verdict
+    "after the last collective": ("guard", "outcome", _after),
 }
 
 
@@ -134,7 +134,7 @@ POINTS: dict[str, tuple[str, str, Callable[[Callable[..., Any]], Callable[..., A
 def _failing(opt: muonkit.HybridMuon, point: str, *, here: bool) -> Iterator[None]:
     """Inside: ``opt`` raises at ``point`` (if ``here``)."""
     where, name, replace = POINTS[point]
-    owner: Any = opt.strategy if where == "strategy" else opt
+    owner: Any = {"strategy": opt.strategy, "guard": opt.strategy.guard}.get(where, opt)
     if here:
         setattr(owner, name, replace(getattr(owner, name)))
     try:

@@ -12,7 +12,8 @@ import torch.distributed as dist
 import muonkit
 from muonkit.config import group_config
 from muonkit.distributed.agreement import Setting, check_agreement, encode, settings_of, value_vector, values_agree
-from muonkit.distributed.collectives import _values_differ, flag_device
+from muonkit.distributed.collectives import flag_device
+from muonkit.distributed.guard.ranks import _values_differ
 
 
 @pytest.mark.parametrize(
@@ -78,7 +79,7 @@ def _min_reduce(vectors: list[torch.Tensor]) -> torch.Tensor:
 
 
 def test_device_values_every_rank_must_share_are_checked_bit_for_bit() -> None:
-    """A fingerprint of gradients (what :meth:`Collectives.expect_equal` sends with the verdict or
+    """A fingerprint of gradients (what :meth:`~muonkit.distributed.guard.CollectiveGuard.expect_equal` sends with the verdict or
     one step late): equal on every rank passes, a difference in the last bit is caught; the error
     names the values, and says when a step without a verdict was applied."""
     sums = torch.tensor([1.5, -2.25e-30, 0.0], dtype=torch.float64)

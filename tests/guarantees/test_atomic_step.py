@@ -307,13 +307,13 @@ def test_one_finiteness_verdict_per_step(monkeypatch: pytest.MonkeyPatch) -> Non
     net, opt = _setup(max_chunk_elements=1)
     _custom(opt)
     seen: list[Tensor] = []
-    original = opt.strategy.all_true
+    original = opt.strategy.guard.all_true
 
     def all_true(flags: Tensor) -> list[bool]:
         seen.append(flags.clone())
         return original(flags)
 
-    monkeypatch.setattr(opt.strategy, "all_true", all_true)
+    monkeypatch.setattr(opt.strategy.guard, "all_true", all_true)
     _train(net, opt, range(3))
     assert [f.tolist() for f in seen] == [[True, True]] * 3
 

@@ -9,16 +9,16 @@ collectives.
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from muonkit.config import MuonConfig
-from muonkit.distributed.agreement import Setting
 from muonkit.distributed.compute import Compute, StrategyStats
+from muonkit.distributed.guard import Guard
 from muonkit.distributed.pieces import Box, Region
 from muonkit.shapes import full_shape
 
@@ -74,21 +74,6 @@ class Strategy(ABC):
         """A zero state buffer laid out like ``param`` (sharded the same way), in ``dtype``."""
         return torch.zeros_like(param, dtype=dtype, memory_format=torch.preserve_format)
 
-    def all_true(self, flags: Tensor) -> list[bool]:
-        """Each of this rank's few verdicts (a bool tensor) AND-ed over every rank, in one collective."""
-        return [bool(f) for f in flags.reshape(-1).tolist()]
-
-    def reduce_flags(self, flags: Tensor) -> Tensor:
-        """This rank's few verdicts (a bool vector) AND-ed over every rank, without a read: a bool
-        vector where ``flags`` live (where the backend reduces), with one more flag at the end:
-        whether the device values every rank must share agree (strategies with replicated
-        params, see :meth:`values_error`; always true here)."""
-        return torch.cat([flags.reshape(-1).bool(), torch.ones(1, dtype=torch.bool, device=flags.device)])
-
-    def values_error(self) -> Exception:
-        """The error for a false last flag of :meth:`reduce_flags`."""
-        return RuntimeError("no device values to compare on one device")
-
     def whole_shapes(self, param: Tensor) -> list[tuple[int, ...]]:
         """Shapes of the whole tensors a param of the optimizer stands for (for validation).
 
@@ -127,51 +112,12 @@ class Strategy(ABC):
         whole = tuple(param.shape) == shape
         return (Held(shape, Box.full(shape) if whole else Box(tuple(() for _ in shape))),)
 
-    def check_participation(self, has_grad: Sequence[bool], settings: Callable[[], Sequence[Setting]] = list) -> None:
-        """Check that all ranks step the same params with the same settings.
-
-        ``has_grad``: whether each param has a gradient, every param in group order;
-        ``settings``: what else ranks must share (see :func:`muonkit.distributed.agreement.settings_of`),
-        called only by strategies that communicate. Those raise on every rank when ranks disagree,
-        which would otherwise hang a collective, mix different tensors in it or let the replicas
-        drift apart; they check it in one small all-reduce on the host (no device read). One
-        device: nothing to do.
-        """
-        del has_grad, settings
-
-    def end_step(self) -> None:
-        """Called at the end of every ``step()`` that applied or skipped its updates (not after an error).
-
-        Communicating strategies start there the late checks of a step without a verdict
-        (:meth:`~muonkit.distributed.collectives.Collectives.end_step`). Default: nothing.
-        """
-        return None
-
-    def step_failed(self, error: BaseException, *, applied: bool) -> None:
-        """Called when ``step()`` raises ``error`` on this rank; ``applied``: whether the step had changed
-        any param or state before it. Never raises.
-
-        Communicating strategies tell the other ranks (they would wait for this one until the
-        process group's timeout) and stop stepping where the group is left out of step
-        (:mod:`muonkit.distributed.failure`). Default: nothing.
-        """
-        del error, applied
-
-    def host_tensors(self) -> list[Tensor]:
-        """The tensors of this strategy's latest checks that live in host memory on any device.
-
-        Reading them makes the host wait for no device work (for counting reads in a CPU run that
-        stands in for a device run: :mod:`muonkit.testing.op_counts`). Default: none.
-        """
-        return []
-
-    def align_grads(self, params: Sequence[Tensor]) -> None:
-        """Lay out each param's gradient like the param, where an engine left it otherwise.
-
-        Called by ``step()`` on every param with a gradient, the same params on every rank, before
-        anything is checked. Default: nothing (plain tensors).
-        """
-        del params
+    @functools.cached_property
+    def guard(self) -> Guard:
+        """Whether a step applies (:mod:`muonkit.distributed.guard`): the ranks' agreement, the
+        non-finite verdict, the late checks and the failure channel, made by the strategy at its
+        first use. Default: one device's :class:`~muonkit.distributed.guard.Guard`."""
+        return Guard()
 
     def check_params(self, params: list[Tensor]) -> None:
         """Raise on Muon params this strategy cannot step, before ``step()`` changes anything.

@@ -18,17 +18,18 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from muonkit.distributed import agreement
-from muonkit.distributed.base import StrategyStats
-from muonkit.distributed.failure import FailureChannel, every_rank
+from muonkit.distributed.failure import FailureChannel
 
-__all__ = ["Collectives", "Pending", "flag_device", "group_of", "reduces_cpu"]
+if TYPE_CHECKING:  # no import edge: the guard, which the strategies import, imports this module
+    from muonkit.distributed.base import StrategyStats
+
+__all__ = ["Collectives", "Pending", "flag_device", "group_of", "reduce_device", "reduces_cpu"]
 
 
 class Pending:
@@ -83,6 +84,12 @@ def flag_device(group: Any) -> torch.device:
     return torch.device(devices[0], torch.get_device_module(devices[0]).current_device())
 
 
+def reduce_device(t: Tensor, group: Any) -> torch.device:
+    """Where to reduce ``t`` over ``group``: its own device where the backend reduces that device
+    type, else :func:`flag_device`."""
+    return t.device if t.device.type in _backend_devices(group) else flag_device(group)
+
+
 def reduces_cpu(group: Any) -> bool:
     """Whether ``group``'s backend reduces CPU tensors (gloo, MPI, UCC, ``"cpu:gloo,cuda:nccl"``)."""
     devices = _backend_devices(group)
@@ -92,14 +99,9 @@ def reduces_cpu(group: Any) -> bool:
 class Collectives:
     """Counted collectives on one process group.
 
-    What ranks must agree on before a step (settings, which params have gradients) is known on
-    the host, so it is reduced on the host: over :attr:`host_group`, never through the device, so
-    the check makes the host wait for no device work. Values that live on the device and must be
-    equal on every rank (:meth:`expect_equal`) ride with the step's non-finite verdict
-    (:meth:`all_ranks_true`, the step's one blocking read) or, in a step without one, are checked
-    one step late from a host copy that waited for nothing (:meth:`end_step`).
-
-    A rank that raises inside a step tells the others through :attr:`channel` (the group's
+    Whether a step applies (the ranks' agreement, the non-finite verdict's flags, the late checks)
+    is the strategy's guard's (:mod:`muonkit.distributed.guard`), which issues its collectives
+    here. A rank that raises inside a step tells the others through :attr:`channel` (the group's
     store), and every wait on the host reads it (:meth:`wait`): the ranks waiting for it raise
     :class:`~muonkit.distributed.failure.RankFailedError` within about a second instead of at
     the group's timeout (:mod:`muonkit.distributed.failure`).
@@ -113,11 +115,6 @@ class Collectives:
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self._host_group: tuple[Any] | None = None  # made at the first use
-        self._values: tuple[str, Tensor] | None = None
-        self._named = ""  # the name of the values the latest reduce_flags compared
-        self._late: tuple[str, Tensor, Any] | None = None
-        self.host_buffers: list[Tensor] = []
-        """The host tensors of the latest checks (for counting reads: host memory in a device run too)."""
         self.channel = FailureChannel(group, self.rank, self.world_size)
 
     def _count(self, nbytes: float) -> int:
@@ -134,10 +131,6 @@ class Collectives:
             self.channel.wait(work, number)
         else:
             work.wait()
-
-    def step_failed(self, error: BaseException, *, applied: bool) -> None:
-        """``step()`` raised ``error`` on this rank (see :meth:`FailureChannel.failed`)."""
-        self.channel.failed(error, applied=applied)
 
     @property
     def host_group(self) -> Any:
@@ -223,124 +216,8 @@ class Collectives:
         for work in dist.batch_isend_irecv(ops) if ops else []:
             work.wait()
 
-    def expect_equal(self, name: str, values: Tensor) -> None:
-        """Device ``values`` (float, any shape) every rank must hold bit for bit, checked with this
-        step's verdict (:meth:`all_ranks_true`) or, in a step without one, one step late (:meth:`end_step`)."""
-        self._values = (name, values.detach())
-
-    def all_ranks_true(self, flags: Tensor) -> list[bool]:
-        """Whether each of a few booleans is true on every rank: :meth:`reduce_flags`, read (the
-        step's one blocking read); values given to :meth:`expect_equal` that differ raise
-        ``ValueError`` on every rank."""
-        got = self.reduce_flags(flags).tolist()
-        if not got[-1]:
-            raise self.values_error()
-        return [bool(x) for x in got[:-1]]
-
-    def reduce_flags(self, flags: Tensor) -> Tensor:
-        """Each of a few booleans AND-ed over every rank, then whether the :meth:`expect_equal` values
-        agree: one tiny all_reduce MIN where ``flags`` live (where the backend reduces them), no read.
-
-        The values go as :func:`~muonkit.distributed.agreement.value_vector` (their words and the
-        words negated). The result is a bool vector on that device, ``flags.numel() + 1`` long; a
-        false last flag means :meth:`values_error`.
-        """
-        device = self._reduce_device(flags)
-        t = flags.detach().to(device=device, dtype=torch.int64).reshape(-1)
-        count = t.numel()
-        named = self._values
-        self._values = None
-        if named is None:
-            t = t.clone()
-        else:
-            t = torch.cat([t, agreement.value_vector(named[1]).to(device)])
-            self._named = named[0]
-        self.all_reduce(t, op=dist.ReduceOp.MIN)
-        equal = torch.ones((), dtype=torch.bool, device=device) if named is None else agreement.values_agree(t[count:])
-        return torch.cat([t[:count].bool(), equal.reshape(1)])
-
-    def _reduce_device(self, t: Tensor) -> torch.device:
-        """Where to reduce ``t``: its own device where the backend reduces that device type, else
-        :func:`flag_device`."""
-        return t.device if t.device.type in _backend_devices(self.group) else flag_device(self.group)
-
-    def values_error(self) -> Exception:
-        """The error :meth:`reduce_flags`'s last flag stands for (values that differ across ranks)."""
-        return every_rank(_values_differ(self._named, late=False))
-
-    def check_agreement(self, settings: Sequence[agreement.Setting], has_grad: Sequence[bool]) -> None:
-        """Raise on every rank (never hang) unless all ranks hold the same settings and gradient
-        flags (one tiny all_reduce MAX on the host; see :mod:`muonkit.distributed.agreement`).
-
-        First the values of the previous step's late check (:meth:`end_step`), if any. Opens the step
-        (the first collective of every step): a rank out of step since a failed step raises here.
-        """
-        self.channel.begin()
-        self._values = None
-        self._check_late()
-        encoded = agreement.encode(settings, has_grad)
-        group = self.host_group
-        if group is None:  # no gloo: through the device, with a read
-            encoded, self.host_buffers = encoded.to(flag_device(self.group)), []
-        else:
-            self.host_buffers = [encoded]
-        self.all_reduce(encoded, op=dist.ReduceOp.MAX, group=group)
-        try:
-            agreement.check_agreement(encoded.cpu(), settings, has_grad)
-        except (ValueError, RuntimeError) as e:
-            every_rank(e)  # every rank reads the same reduced vector: the group stays in step
-            raise
-
-    def end_step(self) -> None:
-        """After a step without a verdict: start the late check of its :meth:`expect_equal` values.
-
-        They are compared as in :meth:`reduce_flags` (no flags) where they are, and the result is
-        copied to the host without waiting (``non_blocking``, pinned memory, an event); the next
-        step's :meth:`check_agreement` waits for that event, which waits only for this step's
-        work, never for what was launched since. Closes the step.
-        """
-        if self._values is not None:
-            self._start_late_check()
-        self.channel.end()
-
-    def _start_late_check(self) -> None:
-        assert self._values is not None
-        name = self._values[0]
-        equal = self.reduce_flags(self._values[1].new_empty(0, dtype=torch.bool))
-        host = torch.empty(equal.shape, dtype=equal.dtype, pin_memory=equal.is_cuda)
-        host.copy_(equal, non_blocking=True)
-        event = None
-        if equal.is_cuda:
-            event = torch.cuda.Event()
-            event.record()
-        self._late = (name, host, event)
-        self.host_buffers = [*self.host_buffers, host]
-
-    def _check_late(self) -> None:
-        if self._late is None:
-            return
-        name, host, event = self._late
-        self._late = None
-        if event is not None:
-            event.synchronize()
-        if not all(host.tolist()):
-            raise every_rank(_values_differ(name, late=True))
-
 
 def _backend_devices(group: Any) -> list[str]:
     """The device types ``group``'s backend reduces (``["cpu", "cuda"]`` for ``"cpu:gloo,cuda:nccl"``)."""
     config = str(dist.get_backend_config(group))
     return [entry.split(":", 1)[0].strip() for entry in config.split(",") if ":" in entry]
-
-
-def _values_differ(name: str, *, late: bool) -> ValueError:
-    when = (
-        " at the previous step (checked one step late, as a step without a non-finite check reads nothing; "
-        "that step was applied)"
-        if late
-        else ""
-    )
-    return ValueError(
-        f"HybridMuon's {name} differ across ranks{when}. Every rank must step the same values: average "
-        "them over the ranks that share them (e.g. leave the module inside the data-parallel wrapper)"
-    )

@@ -40,7 +40,8 @@ parallelism one optimizer per stage, over that stage's params)::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+import functools
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import torch
@@ -49,10 +50,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from muonkit.config import MuonConfig
-from muonkit.distributed.agreement import Setting
 from muonkit.distributed.base import Held
 from muonkit.distributed.dtensor_placement import mesh_group, tensor_jobs
 from muonkit.distributed.executor import PlannedStrategy
+from muonkit.distributed.guard import MeshGuard
 from muonkit.distributed.parallelism import parallelism_name
 from muonkit.distributed.pieces import Box, Job
 
@@ -86,23 +87,11 @@ class DTensorStrategy(PlannedStrategy):
         self._jobs: dict[Any, list[Job]] = {}  # a param's jobs depend only on its layout: built once
         self._box_cache: dict[Any, Sequence[Any]] = {}  # by DTensor spec (mesh, placements, shape)
 
-    def check_participation(self, has_grad: Sequence[bool], settings: Callable[[], Sequence[Setting]] = list) -> None:
-        """Also: the plain params (replicated beside the DTensors) have the same gradients on every rank.
-
-        Tensor parallelism leaves some params plain (norms under ``parallelize_module``, or
-        transformers' ``tp_plan``); they are read as whole copies on every rank of the group, which
-        is right only if every rank computes the same gradient for them. One fingerprint per
-        step (their gradients' sums, in float64, computed on the device) rides with the step's
-        non-finite verdict (:meth:`~muonkit.distributed.collectives.Collectives.expect_equal`: no
-        read of its own), so plain params left out of a data-parallel wrapper (their gradients
-        never averaged) raise on every rank, before anything changes, instead of drifting apart.
-        With ``nonfinite="unchecked"`` (no verdict, no read) it is checked one step late.
-        """
-        super().check_participation(has_grad, settings)
-        grads = [p.grad for p in self.replicated if p.grad is not None]
-        if grads:
-            sums = torch.stack([g.detach().sum(dtype=torch.float64) for g in grads])
-            self.comm.expect_equal("gradients of the plain params replicated beside the DTensors", sums)
+    @functools.cached_property
+    def guard(self) -> MeshGuard:
+        """Also aligns gradients placed otherwise than their params and checks that the plain params
+        replicated beside the DTensors have the same gradients on every rank (:class:`~muonkit.distributed.guard.MeshGuard`)."""
+        return MeshGuard(self.comm, strategy=self.name, replicated=self.replicated)
 
     def local(self, t: Tensor) -> Tensor:
         return t.to_local() if isinstance(t, DTensor) else t
@@ -114,20 +103,6 @@ class DTensorStrategy(PlannedStrategy):
         """This rank's box of the DTensor ``param`` (its ``to_local()``, in storage order); a plain
         param replicated beside the DTensors: the whole of it. Raises ``ValueError`` as :meth:`check_params`."""
         return (Held(tuple(param.shape), dict(self._boxes(param))[self.comm.rank]),)
-
-    def align_grads(self, params: Sequence[Tensor]) -> None:
-        """A DTensor gradient placed otherwise than its param is redistributed to the param's placements.
-
-        Tensor parallel models may leave a gradient ``Replicate()`` or ``Partial()`` where the param is
-        ``Shard(0)`` (an embedding under transformers' ``tp_plan``); torch's own optimizers would
-        redistribute it op by op. ``Partial`` is reduced, as the placement means.
-        """
-        for p in params:
-            grad = p.grad
-            if not (isinstance(p, DTensor) and isinstance(grad, DTensor)):
-                continue
-            if grad.device_mesh != p.device_mesh or tuple(grad.placements) != tuple(p.placements):
-                p.grad = grad.redistribute(p.device_mesh, p.placements)
 
     def check_params(self, params: list[Tensor]) -> None:
         for param in params:

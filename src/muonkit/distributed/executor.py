@@ -29,6 +29,7 @@ narrow wire's values cast up exactly on arrival, so each direction equals
 
 from __future__ import annotations
 
+import functools
 from abc import abstractmethod
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
@@ -37,10 +38,10 @@ import torch
 from torch import Tensor
 
 from muonkit.config import MuonConfig
-from muonkit.distributed.agreement import Setting
 from muonkit.distributed.base import Strategy, StrategyStats
 from muonkit.distributed.collectives import Collectives, Pending, group_of
 from muonkit.distributed.compute import RowStates
+from muonkit.distributed.guard import CollectiveGuard
 from muonkit.distributed.pieces import Box, Job, Piece, Region, Span, local_part
 from muonkit.distributed.planner import Plan, job_cost, make_plan, wire_dtype
 from muonkit.distributed.schedule import Cuts, Exchange, Grid, GroupSchedule, rank_schedule
@@ -77,26 +78,10 @@ class PlannedStrategy(Strategy):
         """Where every job of these params lives: pieces in group ranks, ``Job.tensor`` an index into
         ``params``. Raise (the same on every rank) on layouts the reader does not support."""
 
-    def all_true(self, flags: Tensor) -> list[bool]:
-        return self.comm.all_ranks_true(flags)
-
-    def reduce_flags(self, flags: Tensor) -> Tensor:
-        return self.comm.reduce_flags(flags)
-
-    def values_error(self) -> Exception:
-        return self.comm.values_error()
-
-    def check_participation(self, has_grad: Sequence[bool], settings: Callable[[], Sequence[Setting]] = list) -> None:
-        self.comm.check_agreement([*settings(), Setting("strategy", self.name)], has_grad)
-
-    def end_step(self) -> None:
-        self.comm.end_step()
-
-    def step_failed(self, error: BaseException, *, applied: bool) -> None:
-        self.comm.step_failed(error, applied=applied)
-
-    def host_tensors(self) -> list[Tensor]:
-        return list(self.comm.host_buffers)
+    @functools.cached_property
+    def guard(self) -> CollectiveGuard:
+        """Over :attr:`comm`: the agreement and verdicts in its collectives, its failure channel."""
+        return CollectiveGuard(self.comm, strategy=self.name)
 
     def placement_key(self, params: list[Tensor], updates: list[Tensor]) -> Hashable | None:
         """A cheap key that fixes :meth:`jobs` for a given ``config``: what each param's jobs depend on

@@ -212,7 +212,7 @@ def count_ops(
 
 def step_tensors(optimizer: Any) -> list[torch.Tensor]:
     """The tensors of ``optimizer`` that live on the CPU in a device run too: its ``step`` counters and
-    a muonkit strategy's host tensors (the agreement vector, :meth:`~muonkit.distributed.Strategy.host_tensors`).
+    a muonkit strategy's host tensors (the agreement vector, :meth:`~muonkit.distributed.guard.Guard.host_tensors`).
 
     torch.optim (without ``capturable``/``fused``) and muonkit keep step counters on the CPU
     whatever the params' device, and muonkit's distributed strategies reduce what ranks must agree
@@ -221,7 +221,8 @@ def step_tensors(optimizer: Any) -> list[torch.Tensor]:
     state = getattr(optimizer, "state", {})
     steps = [s.get("step") for s in state.values() if isinstance(s, dict)]
     host = [s for s in steps if isinstance(s, torch.Tensor) and s.device.type == "cpu"]
-    strategy_host = getattr(getattr(optimizer, "strategy", None), "host_tensors", None)
+    guard = getattr(getattr(optimizer, "strategy", None), "guard", None)
+    strategy_host = getattr(guard, "host_tensors", None)
     return host + list(strategy_host()) if callable(strategy_host) else host
 
 
