@@ -75,3 +75,21 @@ def test_a_rules_hooks_and_states_run_in_the_step(monkeypatch: pytest.MonkeyPatc
 
 def test_muon_is_the_rule_of_muon_groups() -> None:
     assert _muon_config().rule is MUON and not MUON.changes_directions and RULES["normuon"].changes_directions
+
+
+def test_scale_multiplies_a_batch_of_views_once_with_the_same_bits() -> None:
+    """``scale_`` multiplies the directions that tile one batch (transposed views included) as one
+    flat view: the same products as one ``mul_`` per tensor, and untouched neighbours stay untouched."""
+    from muonkit.functional.muon import _stretches, scale_
+
+    batch = torch.randn(4, 8, 3)
+    views = [m.mT for m in batch.unbind(0)]  # (3, 8) views, each filling its own stretch
+    expected = [v.clone().mul_(torch.tensor(1.5)) for v in views]
+    assert len(_stretches(views)) == 1
+    assert len(_stretches(views[:2] + views[3:])) == 2  # a gap: two stretches
+    assert len(_stretches([batch[:, :, :2]])) == 1  # not dense: kept as it is
+    apart = torch.randn(3, 8)
+    before, fourth = apart.clone(), views[3].clone()
+    scale_([*views[:3], apart], [1.5, 1.5, 1.5, 1.0])
+    assert all(torch.equal(v, e) for v, e in zip(views[:3], expected[:3], strict=True))
+    assert torch.equal(views[3], fourth) and torch.equal(apart, before)  # not in the call: not scaled

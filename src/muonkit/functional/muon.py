@@ -24,6 +24,7 @@ or per element where ``split_sizes`` blocks differ: :func:`tensor_scale`), and
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -198,10 +199,51 @@ def scale_(directions: Sequence[Tensor], scales: Sequence[Scale]) -> None:
         if value == 1.0 or not group:
             continue
         if group[0].device.type == "cpu":  # the CPU's foreach is a loop of out-of-place products and copies
-            for d in group:  # a held 0-dim CPU tensor: the product of a Python number, without wrapping it
+            for d in _stretches(group):  # a held 0-dim CPU tensor: the product of a Python number, without wrapping it
                 d.mul_(_number(value, d.dtype))
         else:
             torch._foreach_mul_(group, value)
+
+
+def _stretches(tensors: Sequence[Tensor]) -> list[Tensor]:
+    """``tensors`` with those that tile one stretch of a storage (the directions of one same-shape batch,
+    views of its result) as one flat view: one product per batch, as when the scale was applied to the
+    batch. Elementwise the same products; tensors that are not contiguous, or overlap, stay as they are."""
+    out: list[Tensor] = []
+    shared: dict[tuple[int, torch.dtype], list[Tensor]] = {}
+    for t in tensors:
+        if t.numel() and _dense(t):
+            shared.setdefault((t.untyped_storage().data_ptr(), t.dtype), []).append(t)
+        else:
+            out.append(t)
+    for members in shared.values():
+        members.sort(key=Tensor.storage_offset)
+        if any(a.storage_offset() + a.numel() > b.storage_offset() for a, b in itertools.pairwise(members)):
+            out += members  # overlapping views: each multiplied on its own, as before
+            continue
+        run = [members[0]]
+        for t in [*members[1:], None]:
+            if t is not None and t.storage_offset() == run[-1].storage_offset() + run[-1].numel():
+                run.append(t)
+                continue
+            first = run[0]
+            size = sum(r.numel() for r in run)
+            out.append(first if len(run) == 1 else first.as_strided((size,), (1,), first.storage_offset()))
+            if t is not None:
+                run = [t]
+    return out
+
+
+def _dense(t: Tensor) -> bool:
+    """Whether ``t`` fills ``[storage_offset, storage_offset + numel)`` of its storage exactly, each element
+    once, in some order of its dimensions (a contiguous tensor, or a transposed view of one)."""
+    dims = sorted(((t.stride(i), n) for i, n in enumerate(t.shape) if n != 1), reverse=True)
+    expected = 1
+    for stride, size in reversed(dims):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 @functools.lru_cache(maxsize=256)
