@@ -221,16 +221,16 @@ def _stretches(tensors: Sequence[Tensor]) -> list[Tensor]:
         if any(a.storage_offset() + a.numel() > b.storage_offset() for a, b in itertools.pairwise(members)):
             out += members  # overlapping views: each multiplied on its own, as before
             continue
-        run = [members[0]]
-        for t in [*members[1:], None]:
-            if t is not None and t.storage_offset() == run[-1].storage_offset() + run[-1].numel():
-                run.append(t)
-                continue
-            first = run[0]
-            size = sum(r.numel() for r in run)
+        runs = [[members[0]]]
+        for member in members[1:]:
+            last = runs[-1][-1]
+            if member.storage_offset() == last.storage_offset() + last.numel():
+                runs[-1].append(member)
+            else:
+                runs.append([member])
+        for run in runs:
+            first, size = run[0], sum(r.numel() for r in run)
             out.append(first if len(run) == 1 else first.as_strided((size,), (1,), first.storage_offset()))
-            if t is not None:
-                run = [t]
     return out
 
 
