@@ -111,6 +111,17 @@ class MuonConfig:
 
     @property
     def ns_options(self) -> NSOptions:
+        """The orthogonalization options, made once per config (a steady step reuses its configs);
+        made afresh while ``torch.compile`` traces (no cache for it to guard on)."""
+        if torch.compiler.is_compiling():
+            return self._ns_options()
+        made = self.__dict__.get("_made_ns_options")
+        if made is None:
+            made = self._ns_options()
+            object.__setattr__(self, "_made_ns_options", made)
+        return made
+
+    def _ns_options(self) -> NSOptions:
         return NSOptions(
             self.ns_coefficients,
             self.ns_steps,
@@ -134,7 +145,7 @@ class MuonConfig:
     @property
     def steps(self) -> int:
         """The number of Newton-Schulz steps actually run."""
-        return len(resolve_preset(self.ns_coefficients, steps=self.ns_steps)[0])
+        return len(self.ns_options.resolved()[0])
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ tensors live (local shards, owners, collectives) is the strategy's business; the
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Hashable, Iterable, Iterator, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -25,6 +26,7 @@ from muonkit.distributed import Strategy
 from muonkit.distributed.guard import Stream
 from muonkit.functional.adamw import adamw_
 from muonkit.functional.lr_scaling import lr_scale
+from muonkit.functional.matrices import MatrixLayout
 from muonkit.functional.muon import (
     Scale,
     momentum_,
@@ -109,10 +111,10 @@ def local_scale(p: Tensor, config: MuonConfig, strategy: Strategy, *, like: Tens
     parts this rank holds (:meth:`Strategy.regions`), cached: one tensor (``like``'s dtype) where
     one part fills the local tensor, else ``(start, stop, value)`` runs of it."""
     adjust, layout = config.adjust_lr, config.layout
-    shapes = strategy.whole_shapes(p)
-    values = {lr_scale(adjust, b.rows, b.cols) for shape in shapes for b in layout.blocks(shape) if b.rows and b.cols}
+    shapes = tuple(tuple(s) for s in strategy.whole_shapes(p))
+    values = (_scale_values.__wrapped__ if torch.compiler.is_compiling() else _scale_values)(shapes, layout, adjust)
     if len(values) <= 1:
-        return values.pop() if values else 1.0
+        return values[0] if values else 1.0
     held = strategy.regions(p)
     key = (held, layout, adjust, tuple(like.shape), like.dtype, like.device)
     scale = _SCALES.get(key)
@@ -130,6 +132,15 @@ def local_scale(p: Tensor, config: MuonConfig, strategy: Strategy, *, like: Tens
             _SCALES.clear()
         _SCALES[key] = scale
     return scale
+
+
+@functools.lru_cache(maxsize=1024)
+def _scale_values(shapes: tuple[tuple[int, ...], ...], layout: MatrixLayout, adjust: str | None) -> tuple[float, ...]:
+    """The distinct lr shape scales of the non-empty matrices of tensors of ``shapes`` (worked out once per
+    shapes and settings, not at every step)."""
+    return tuple(
+        {lr_scale(adjust, b.rows, b.cols) for shape in shapes for b in layout.blocks(shape) if b.rows and b.cols}
+    )
 
 
 def _param_state(p: Tensor, spec: StateSpec, strategy: Strategy, state: State) -> Tensor:

@@ -26,6 +26,7 @@ MAX_METHODS = 8
 MAX_LINES = 30
 MAX_COMPLEXITY = 10
 
+
 def public_methods(cls: type) -> list[str]:
     """The public methods (functions, properties, cached properties) ``cls`` itself defines."""
     kinds = (property, functools.cached_property, staticmethod, classmethod)

@@ -191,13 +191,13 @@ def test_same_shape_matrices_are_orthogonalized_in_one_batched_call(monkeypatch:
     from muonkit.functional import muon as muon_module
 
     calls: list[tuple[int, ...]] = []
-    real = muon_module.orthogonalize_batches
+    real = muon_module.orthogonalize_resolved
 
     def spy(parts: list[torch.Tensor], **kwargs: Any) -> torch.Tensor:
         calls.append((sum(p.size(0) for p in parts), *parts[0].shape[1:]))
         return real(parts, **kwargs)
 
-    monkeypatch.setattr(muon_module, "orthogonalize_batches", spy)
+    monkeypatch.setattr(muon_module, "orthogonalize_resolved", spy)
     a, b = torch.nn.Parameter(torch.randn(8, 12)), torch.nn.Parameter(torch.randn(8, 12))
     experts, tall = torch.nn.Parameter(torch.randn(3, 8, 12)), torch.nn.Parameter(torch.randn(12, 8))
     qkv = torch.nn.Parameter(torch.randn(24, 12))

@@ -31,9 +31,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from muonkit.functional.coefficients import is_preset_schedule
 from muonkit.functional.lr_scaling import lr_scale
 from muonkit.functional.matrices import MatrixLayout
-from muonkit.functional.orthogonalize import orthogonalize, orthogonalize_batches
+from muonkit.functional.orthogonalize import orthogonalize, orthogonalize_resolved, resolved_options
 
 
 def muon_momentum_(buffers: list[Tensor], grads: list[Tensor], *, momentum: float, nesterov: bool) -> list[Tensor]:
@@ -124,15 +125,33 @@ class NSOptions:
         """``orthogonalize(cat(parts))`` for same-shape batches of ``rows x cols`` matrices, in the
         parts' dtype (the lr shape scale is the update's: :func:`scale_`)."""
         del rows, cols  # the parts' own shape
-        return orthogonalize_batches(
-            parts,
-            coefficients=self.coefficients,
-            steps=self.steps,
-            eps=self.eps,
-            dtype=self.dtype,
-            method=self.method,
+        schedule, norm_factor, eps, dtype, method = self.resolved()
+        return orthogonalize_resolved(
+            parts, schedule=schedule, norm_factor=norm_factor, eps=eps, dtype=dtype, method=method,
             compiled=self.compiled,
-        )
+        )  # fmt: skip
+
+    def resolved(self) -> tuple[tuple[tuple[float, float, float], ...], float, float, torch.dtype | None, str]:
+        """The validated schedule and settings (:func:`~muonkit.functional.orthogonalize.resolved_options`),
+        resolved at the first use of these options, not at every batch (afresh while ``torch.compile``
+        traces: no cache for it to guard on)."""
+        if torch.compiler.is_compiling():
+            return resolved_options(self.coefficients, self.steps, self.eps, self.dtype, self.method)
+        made = self.__dict__.get("_resolved")
+        if made is None:
+            made = resolved_options(self.coefficients, self.steps, self.eps, self.dtype, self.method)
+            object.__setattr__(self, "_resolved", made)
+        return made
+
+    @property
+    def bounded(self) -> bool:
+        """Whether the schedule is a preset's, whose directions are finite wherever its updates are
+        (:func:`~muonkit.functional.coefficients.is_preset_schedule`), worked out once."""
+        made = self.__dict__.get("_bounded")
+        if made is None:
+            made = is_preset_schedule(self.coefficients, steps=self.steps)
+            object.__setattr__(self, "_bounded", made)
+        return bool(made)
 
 
 BatchHook = Callable[[int, int, int], None]

@@ -124,15 +124,43 @@ def orthogonalize_batches(
     back: the Muon step's batching and lr shape scale at no extra pass over the data.
     ``compiled=True`` runs the iteration through ``torch.compile`` (:func:`compiled_iteration`).
     """
-    first = parts[0]
-    if first.is_complex() or not first.is_floating_point():
-        raise ValueError(f"orthogonalize needs real floating-point tensors, got {first.dtype}")
+    schedule, norm_factor, eps, dtype, method = resolved_options(coefficients, steps, eps, dtype, method)
+    return orthogonalize_resolved(
+        parts, schedule=schedule, norm_factor=norm_factor, eps=eps, dtype=dtype, method=method, scale=scale,
+        compiled=compiled,
+    )  # fmt: skip
+
+
+def resolved_options(
+    coefficients: str | Sequence[Sequence[float]], steps: int | None, eps: float, dtype: torch.dtype | None, method: str
+) -> tuple[tuple[tuple[float, float, float], ...], float, float, torch.dtype | None, str]:
+    """``(schedule, norm_factor, eps, dtype, method)`` of :func:`orthogonalize_batches`' arguments,
+    validated (ValueError naming what is wrong), for :func:`orthogonalize_resolved`."""
     if method not in METHODS:
         raise ValueError(f"Invalid method={method!r}: must be one of {METHODS}")
     steps = check.ns_steps("steps", steps)
     eps = check.eps("eps", eps, kind="newton_schulz")
     schedule, norm_factor = resolve_preset(coefficients, steps=steps, name="coefficients")
-    compute = check.ns_dtype("dtype", dtype) or default_compute_dtype(first.device)
+    return schedule, norm_factor, eps, check.ns_dtype("dtype", dtype), method
+
+
+def orthogonalize_resolved(
+    parts: Sequence[Tensor],
+    *,
+    schedule: Sequence[tuple[float, float, float]],
+    norm_factor: float,
+    eps: float,
+    dtype: torch.dtype | None,
+    method: str,
+    scale: float = 1.0,
+    compiled: bool = False,
+) -> Tensor:
+    """:func:`orthogonalize_batches` with its options already resolved by :func:`resolved_options`
+    (a step resolves them once per group config, not once per batch)."""
+    first = parts[0]
+    if first.is_complex() or not first.is_floating_point():
+        raise ValueError(f"orthogonalize needs real floating-point tensors, got {first.dtype}")
+    compute = dtype or default_compute_dtype(first.device)
     if compute == torch.float16 and first.device.type == "cpu":
         raise ValueError("Invalid dtype=torch.float16 on CPU: fp16 matmul is ~1000x slower there; use bf16 or fp32")
     tall = first.size(-2) > first.size(-1)

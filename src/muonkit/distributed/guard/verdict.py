@@ -20,7 +20,6 @@ from torch import Tensor
 
 from muonkit.config import AdamWConfig, MuonConfig
 from muonkit.distributed.failure import every_rank
-from muonkit.functional.coefficients import is_preset_schedule
 from muonkit.limits import GroupLimits, within_on_host, work_dtype
 
 if TYPE_CHECKING:  # no import edge: the strategies import the guard
@@ -120,8 +119,7 @@ class Verdict(Generic[C]):
 
 def bounded(config: MuonConfig) -> bool:
     """Whether the group's schedule is a preset's, whose directions are finite wherever its updates are."""
-    options = config.ns_options
-    return is_preset_schedule(options.coefficients, steps=options.steps)
+    return config.ns_options.bounded
 
 
 def checked_inputs(
