@@ -19,7 +19,7 @@ from muonkit.defaults import DEFAULTS, TORCH_MUON_DEFAULTS, Defaults  # noqa: F4
 from muonkit.functional.coefficients import as_schedule, resolve_preset
 from muonkit.functional.lr_scaling import ADJUST_LR_CHOICES
 from muonkit.functional.matrices import LAYOUT_KINDS, MatrixLayout
-from muonkit.functional.muon import NSOptions
+from muonkit.functional.muon import NSOptions, made_once
 from muonkit.functional.orthogonalize import METHODS, default_compute_dtype, orthogonalization_flops
 from muonkit.functional.rules import RULES, rule_keywords, rule_of
 from muonkit.functional.update_rule import UpdateRule
@@ -112,14 +112,8 @@ class MuonConfig:
     @property
     def ns_options(self) -> NSOptions:
         """The orthogonalization options, made once per config (a steady step reuses its configs);
-        made afresh while ``torch.compile`` traces (no cache for it to guard on)."""
-        if torch.compiler.is_compiling():
-            return self._ns_options()
-        made = self.__dict__.get("_made_ns_options")
-        if made is None:
-            made = self._ns_options()
-            object.__setattr__(self, "_made_ns_options", made)
-        return made
+        made afresh while ``torch.compile`` traces (:func:`~muonkit.functional.muon.made_once`)."""
+        return made_once(self, "_made_ns_options", self._ns_options)
 
     def _ns_options(self) -> NSOptions:
         return NSOptions(

@@ -27,6 +27,7 @@ import functools
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar, cast
 
 import torch
 from torch import Tensor
@@ -133,25 +134,32 @@ class NSOptions:
 
     def resolved(self) -> tuple[tuple[tuple[float, float, float], ...], float, float, torch.dtype | None, str]:
         """The validated schedule and settings (:func:`~muonkit.functional.orthogonalize.resolved_options`),
-        resolved at the first use of these options, not at every batch (afresh while ``torch.compile``
-        traces: no cache for it to guard on)."""
-        if torch.compiler.is_compiling():
-            return resolved_options(self.coefficients, self.steps, self.eps, self.dtype, self.method)
-        made = self.__dict__.get("_resolved")
-        if made is None:
-            made = resolved_options(self.coefficients, self.steps, self.eps, self.dtype, self.method)
-            object.__setattr__(self, "_resolved", made)
-        return made
+        resolved at the first use of these options, not at every batch (:func:`made_once`)."""
+        return made_once(
+            self,
+            "_resolved",
+            lambda: resolved_options(self.coefficients, self.steps, self.eps, self.dtype, self.method),
+        )
 
     @property
     def bounded(self) -> bool:
         """Whether the schedule is a preset's, whose directions are finite wherever its updates are
-        (:func:`~muonkit.functional.coefficients.is_preset_schedule`), worked out once."""
-        made = self.__dict__.get("_bounded")
-        if made is None:
-            made = is_preset_schedule(self.coefficients, steps=self.steps)
-            object.__setattr__(self, "_bounded", made)
-        return bool(made)
+        (:func:`~muonkit.functional.coefficients.is_preset_schedule`), worked out once (:func:`made_once`)."""
+        return made_once(self, "_bounded", lambda: is_preset_schedule(self.coefficients, steps=self.steps))
+
+
+T = TypeVar("T")
+
+
+def made_once(owner: object, name: str, make: Callable[[], T]) -> T:
+    """``make()``, kept in ``owner.__dict__[name]`` at the first call (``owner`` may be a frozen dataclass:
+    a value derived from its fields) and made afresh while ``torch.compile`` traces (no cache for it to
+    guard on; ``functools.cached_property`` takes a lock that dynamo cannot enter)."""
+    if torch.compiler.is_compiling():
+        return make()
+    if name not in owner.__dict__:
+        object.__setattr__(owner, name, make())
+    return cast(T, owner.__dict__[name])
 
 
 BatchHook = Callable[[int, int, int], None]
