@@ -103,7 +103,7 @@ class MuonConfig:
     @property
     def rule(self) -> UpdateRule:
         """The group's update rule."""
-        return rule_of(self.algorithm)
+        return RULES[self.algorithm]
 
     def setting(self, key: str) -> Any:
         """The value of the rule's own key ``key`` in this group."""

@@ -18,8 +18,8 @@ from torch import Tensor
 
 from muonkit.config import MuonConfig, key_hint
 from muonkit.distributed import Strategy
+from muonkit.distributed.base import full_shape
 from muonkit.functional.rules import WHOLE_STATES
-from muonkit.shapes import full_shape
 
 SWAPPED_PARAMS = (
     ". add_param_group checked this group, so its params were replaced afterwards: DeepSpeed ZeRO hands "

@@ -28,8 +28,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from muonkit.distributed.base import full_shape
 from muonkit.functional.matrices import LAYOUT_KINDS
-from muonkit.shapes import full_shape
 
 _HEAD_NAMES = {"lm_head", "head", "classifier", "score", "qa_outputs", "output", "output_layer"}
 _ROUTER_NAMES = {"gate", "router"}

@@ -33,6 +33,7 @@ from muonkit.functional.muon import (
     momentum_masked_,
     muon_apply_,
     muon_apply_masked_,
+    muon_update,
     scale_,
     tensor_scale,
     where_,
@@ -82,7 +83,11 @@ def muon_chunks(params: list[Tensor], config: MuonConfig, *, strategy: Strategy,
         extra = config.rule.param_states
         held = [[_param_state(p, spec, strategy, state) for spec in extra] for p in group] if extra else []
         olds = [[local(t) for t in ts] for ts in held]
-        updates, news = config.rule.before([local(b) for b in buffers], grads, olds, config)  # one foreach call
+        rule, bufs = config.rule, [local(b) for b in buffers]
+        if rule.changes_updates:
+            updates, news = rule.before(bufs, grads, olds, config)
+        else:  # Muon's momentum (UpdateRule.before): one foreach call
+            updates, news = muon_update(bufs, grads, momentum=config.momentum, nesterov=config.nesterov), []
         param_states = [list(zip(ts, vs, strict=True)) for ts, vs in zip(held, news, strict=True)] if extra else None
         specs = config.rule.rows_states
         if specs:  # fresh copies: the strategy writes the new ones into them
@@ -247,7 +252,8 @@ def commit_muon(
             weight_decay=rates[1],
             cautious_wd=config.cautious_wd,
         )
-    config.rule.committed([local(p) for p in params], config)
+    if config.rule.has_commit_hook:
+        config.rule.committed([local(p) for p in params], config)
     for chunk in chunks:
         chunk.directions.clear()  # free them now, not when the next chunk replaces this one
 

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from muonkit.distributed import SingleDeviceStrategy, Strategy, select_strategy
-from muonkit.shapes import full_shape
+from muonkit.distributed.base import full_shape
 
 PlacementReaders = tuple[Callable[[Tensor], list[tuple[int, ...]]], Callable[[Tensor], Tensor]]
 """A strategy's ``whole_shapes`` and ``local``."""

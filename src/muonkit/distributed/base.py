@@ -5,22 +5,120 @@ parameter this rank stores). Orthogonalization needs *whole* matrices; a strateg
 wherever they are, has each one orthogonalized exactly once across all ranks, and hands every
 rank back the direction for its own local slice. Strategies are the only place that issues
 collectives.
+
+Also here: :class:`Compute`, the math a strategy runs on this rank, counted in its
+:class:`StrategyStats` (an attribute, ``strategy.compute``, so the simulator replaces it to time
+the work that stands in for it), and :func:`full_shape`, the shape of a whole parameter wherever
+its data lives (a ZeRO-3 placeholder keeps it in ``ds_shape``; a parameter FSDP1 flattened has
+none left, and is refused with a pointer to FSDP2).
 """
 
 from __future__ import annotations
 
 import functools
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from muonkit.config import MuonConfig
-from muonkit.distributed.compute import Compute, StrategyStats
 from muonkit.distributed.guard import Guard
 from muonkit.distributed.pieces import Box, Region
-from muonkit.shapes import full_shape
+from muonkit.functional.matrices import MatrixLayout
+from muonkit.functional.muon import NSOptions, rule_directions
+from muonkit.functional.orthogonalize import default_compute_dtype, orthogonalization_flops
+from muonkit.functional.sharded import Reduce, orthogonalize_shard
+
+FSDP1_FLATTENED = "_fsdp_flattened"
+"""The attribute torch's FSDP1 sets on its ``FlatParameter`` and on every parameter flattened into one."""
+
+
+def full_shape(p: Tensor) -> tuple[int, ...]:
+    """``p.ds_shape`` for a ZeRO-3 partitioned parameter, else ``p.shape``, as a tuple.
+
+    Raises ValueError for a parameter FSDP1 flattened (its shape is gone).
+    """
+    if getattr(p, FSDP1_FLATTENED, False):
+        raise ValueError(
+            f"A parameter of shape {tuple(p.shape)} was flattened by FSDP1 (FullyShardedDataParallel; Lightning "
+            "strategy='fsdp', accelerate/HF fsdp_version=1): its matrix shape is gone, so every matrix would go to "
+            "AdamW. muonkit supports FSDP2: torch.distributed.fsdp.fully_shard (Lightning: "
+            "strategy=ModelParallelStrategy(); accelerate/HF: fsdp_version=2), or DDP"
+        )
+    ds_shape = getattr(p, "ds_shape", None)
+    return tuple(p.shape) if ds_shape is None else tuple(ds_shape)
+
+
+@dataclass
+class StrategyStats:
+    """Cumulative counters of the work a strategy did on this rank (for tests and benchmarks)."""
+
+    matrices: int = 0
+    """Matrices orthogonalized on this rank."""
+    flops: int = 0
+    """Newton-Schulz FLOPs spent on this rank."""
+    bytes_sent: int = 0
+    """Bytes this rank sent through collectives issued by the optimizer."""
+    collectives: int = 0
+    """Collective calls issued by the optimizer on this rank."""
+
+    def reset(self) -> None:
+        self.matrices = self.flops = self.bytes_sent = self.collectives = 0
+
+
+class Compute:
+    """Directions of whole tensors and of shards on this rank, counted in ``stats``."""
+
+    def __init__(self, stats: StrategyStats) -> None:
+        self.stats = stats
+
+    def __call__(
+        self,
+        wholes: Sequence[Tensor],
+        layouts: Sequence[MatrixLayout],
+        config: MuonConfig,
+        *,
+        options: NSOptions | None = None,
+        states: Sequence[Sequence[Tensor]] | None = None,
+    ) -> tuple[list[Tensor], list[list[Tensor]]]:
+        """Directions of whole tensors (counted) and the new ``"rows"`` states of the group's rule.
+
+        ``options``: the orthogonalization (default ``config.ns_options``); ``states``: per whole
+        tensor, its ``"rows"`` states (one vector per entry of ``config.rule.rows_states``),
+        required where the rule has any (and not modified).
+        """
+        options = config.ns_options if options is None else options
+        # Not counted in a compiled step: torch.compile would guard on the counters' values (Python
+        # ints), which change every step, and recompile every step.
+        device = wholes[0].device if wholes else None
+        hook = (
+            None if torch.compiler.is_compiling() else lambda c, r, k: self.count(c, r, k, config=config, device=device)
+        )
+        rule = config.rule
+        if rule.rows_states and states is None:
+            raise ValueError(f"{rule.title} directions need the rows states (states=)")
+        return rule_directions(wholes, layouts, options, rule=rule, settings=config, states=states, on_batch=hook)
+
+    def count(
+        self, count: int, rows: int, cols: int, *, config: MuonConfig, device: torch.device | None = None
+    ) -> None:
+        """Record one batched orthogonalization on this rank (FLOPs of the dtype it runs in on ``device``)."""
+        dtype = config.ns_dtype if config.ns_dtype is not None or device is None else default_compute_dtype(device)
+        self.stats.matrices += count
+        self.stats.flops += count * orthogonalization_flops(rows, cols, config.steps, config.ns_method, dtype)
+
+    def shard(self, shard: Tensor, **options: Any) -> Tensor:
+        """:func:`~muonkit.functional.sharded.orthogonalize_shard` of one member's shard."""
+        return orthogonalize_shard(shard, **options)
+
+    def after_shard(
+        self, config: MuonConfig, o: Tensor, olds: Sequence[Tensor], *, rows_cut: bool, cols: int, reduce: Reduce
+    ) -> tuple[Tensor, list[Tensor]]:
+        """The group's rule after the iteration on one shard (:meth:`UpdateRule.after_shard`)."""
+        return config.rule.after_shard(o, olds, rows_cut=rows_cut, cols=cols, reduce=reduce, settings=config)
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,6 @@ from torch import Tensor
 from muonkit.config import MuonConfig
 from muonkit.distributed.base import Strategy, StrategyStats
 from muonkit.distributed.collectives import Collectives, Pending, group_of
-from muonkit.distributed.compute import RowStates
 from muonkit.distributed.guard import CollectiveGuard
 from muonkit.distributed.pieces import Box, Job, Piece, Region, Span, local_part
 from muonkit.distributed.planner import Plan, job_cost, make_plan, wire_dtype
@@ -152,7 +151,7 @@ class PlannedStrategy(Strategy):
         ``out`` may be ``updates`` itself: a job's regions are read (sent, or viewed by its owner)
         before they are written, and jobs do not share regions. ``states``: each tensor's
         ``"rows"`` states of the group's update rule, whole on every rank; overwritten with the new
-        ones (see :class:`~muonkit.distributed.compute.RowStates`). What this rank sends, receives and writes comes from its
+        ones (see :class:`RowStates`). What this rank sends, receives and writes comes from its
         :func:`~muonkit.distributed.schedule.rank_schedule`, computed at the plan's first run.
         """
         moments = None if states is None else RowStates(config, states, lambda: _describe(plan), plan.memo)
@@ -375,3 +374,71 @@ def group_keys(jobs: Sequence[Job], dtypes: Sequence[torch.dtype]) -> list[Hasha
             shapes[kind] = tuple(sorted({(b.rows, b.cols) for b in job.layout.blocks(job.shape)}))
         keys.append((shapes[kind], dtypes[job.tensor]))
     return keys
+
+
+class RowStates:
+    """A rule's ``"rows"`` states during one run of the executor: old ones in, new ones out, on every rank.
+
+    Each rank keeps every tensor's states whole (one value per matrix row: tiny). The jobs of a
+    tensor come in the order of its rows (each expert, and in it each ``split_sizes`` block), so
+    job ``j`` owns the next ``spec.length(job)`` values of its tensor's vectors. The owner of a
+    job computes its new values from the whole direction; every rank writes those it computed
+    into zero vectors and one ``all_reduce(SUM)`` of all of them gives every rank every new value
+    exactly (each value has one non-zero contributor). Values of no job with an owner (empty
+    matrices) keep the old ones, as on one device.
+
+    ``describe()``: ``(jobs, owned)``, each job of the plan as ``(tensor, shape, layout)`` in plan
+    order and the jobs someone computes, called once per plan: ``memo`` is the plan's memo (the
+    spans are the same every step).
+    """
+
+    def __init__(
+        self,
+        config: MuonConfig,
+        states: Sequence[Sequence[Tensor]],
+        describe: Callable[[], tuple[list[tuple[int, tuple[int, ...], MatrixLayout]], list[int]]],
+        memo: dict[Any, Any],
+    ) -> None:
+        self.states = states
+        specs = config.rule.rows_states
+        key = ("rows spans", specs)
+        if key not in memo:
+            jobs, owned = describe()
+            spans: list[list[tuple[int, int, int]]] = []  # per job, per spec: (tensor, start, stop)
+            ends = [[0] * len(specs) for _ in states]
+            for tensor, shape, layout in jobs:
+                mine = []
+                for s, spec in enumerate(specs):
+                    count = spec.length(shape, layout)
+                    mine.append((tensor, ends[tensor][s], ends[tensor][s] + count))
+                    ends[tensor][s] += count
+                spans.append(mine)
+            memo[key] = (spans, owned)
+        self.spans, self.owned = memo[key]
+        self.sums = [[torch.zeros_like(v) for v in vs] for vs in states]
+
+    def old(self, j: int) -> list[Tensor]:
+        """Job ``j``'s part of each state."""
+        return [self.states[t][s][start:stop] for s, (t, start, stop) in enumerate(self.spans[j])]
+
+    def computed(self, j: int, new: Sequence[Tensor]) -> None:
+        for s, ((t, start, stop), value) in enumerate(zip(self.spans[j], new, strict=True)):
+            self.sums[t][s][start:stop] = value
+
+    def computed_part(self, j: int, offset: int, new: Sequence[Tensor]) -> None:
+        """New values of a split job's rows from ``offset`` on (each member's rows)."""
+        for s, ((t, start, _), value) in enumerate(zip(self.spans[j], new, strict=True)):
+            self.sums[t][s][start + offset : start + offset + value.numel()] = value
+
+    def share(self, all_reduce: Any) -> None:
+        """The one all-reduce (``all_reduce(flat, op=...)``); then ``states`` hold the new values."""
+        sums = [v for vs in self.sums for v in vs]
+        if not sums:
+            return
+        flat = torch.cat([s.reshape(-1) for s in sums])
+        all_reduce(flat, op=torch.distributed.ReduceOp.SUM)
+        parts = iter(torch.split(flat, [s.numel() for s in sums]))
+        shared = [[next(parts) for _ in vs] for vs in self.sums]
+        for j in self.owned:
+            for s, (t, start, stop) in enumerate(self.spans[j]):
+                self.states[t][s][start:stop] = shared[t][s][start:stop]

@@ -36,8 +36,8 @@ import torch
 from torch import Tensor
 
 from muonkit.config import MuonConfig
+from muonkit.distributed.base import Compute
 from muonkit.distributed.collectives import Collectives, Pending
-from muonkit.distributed.compute import Compute
 from muonkit.distributed.pieces import Job, Piece, Region, Span, local_part
 from muonkit.distributed.planner import Plan, wire_dtype
 from muonkit.distributed.schedule import Cuts
@@ -49,7 +49,7 @@ __all__ = ["SplitRun"]
 
 
 class Moments(Protocol):
-    """The update rule's ``"rows"`` states during a run (:class:`~muonkit.distributed.compute.RowStates`)."""
+    """The update rule's ``"rows"`` states during a run (:class:`~muonkit.distributed.base.RowStates`)."""
 
     def old(self, j: int) -> list[Tensor]: ...
 

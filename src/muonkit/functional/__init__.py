@@ -12,10 +12,10 @@ from muonkit.functional.muon import (
     muon_directions,
     muon_momentum_,
     muon_update,
+    rule_directions,
 )
 from muonkit.functional.normuon import normuon_directions, normuon_normalize, normuon_rows
 from muonkit.functional.orthogonalize import default_compute_dtype, orthogonalization_flops, orthogonalize
-from muonkit.functional.update_rule import rule_directions
 
 __all__ = [
     "ADJUST_LR_CHOICES",

@@ -27,7 +27,7 @@ import functools
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar, cast
+from typing import TYPE_CHECKING, TypeVar, cast
 
 import torch
 from torch import Tensor
@@ -36,6 +36,9 @@ from muonkit.functional.coefficients import is_preset_schedule
 from muonkit.functional.lr_scaling import lr_scale
 from muonkit.functional.matrices import MatrixLayout
 from muonkit.functional.orthogonalize import orthogonalize, orthogonalize_resolved, resolved_options
+
+if TYPE_CHECKING:  # no import edge: update_rule imports this module
+    from muonkit.functional.update_rule import RuleSettings, UpdateRule
 
 
 def muon_momentum_(buffers: list[Tensor], grads: list[Tensor], *, momentum: float, nesterov: bool) -> list[Tensor]:
@@ -278,6 +281,58 @@ def _number(value: float, dtype: torch.dtype) -> Tensor:
     """``value`` as a 0-dim CPU tensor of ``dtype``: what ``mul_(value)`` multiplies by (a wrapped
     number rounded to the tensor's dtype), made once."""
     return torch.tensor(value, dtype=dtype)
+
+
+def rule_directions(
+    updates: Sequence[Tensor],
+    layouts: Sequence[MatrixLayout],
+    options: NSOptions,
+    *,
+    rule: UpdateRule,
+    settings: RuleSettings,
+    states: Sequence[Sequence[Tensor]] | None = None,
+    on_batch: BatchHook | None = None,
+) -> tuple[list[Tensor], list[list[Tensor]]]:
+    """A rule's directions and new ``"rows"`` states (:mod:`muonkit.functional.update_rule`) for whole tensors.
+
+    ``states[i]``: the ``"rows"`` states of ``updates[i]`` (one vector per entry of
+    ``rule.rows_states``), not modified. Where the rule changes the orthogonalized matrices
+    (:meth:`~muonkit.functional.update_rule.UpdateRule.after`), each same-shape batch is
+    orthogonalized and handed to the rule with its states::
+
+        O = after(orthogonalize(U), v)      # the update multiplies it by the lr shape scale
+
+    else these are :func:`muon_directions` (the states, if any, copied unchanged; no states: ``[]``).
+    """
+    if not rule.changes_directions:  # any states unchanged (none without states)
+        same = [[v.clone() for v in vs] for vs in states] if states is not None else []
+        return muon_directions(updates, layouts, options, on_batch=on_batch), same
+    olds = [list(v) for v in states] if states is not None else [[] for _ in updates]
+    specs = rule.rows_states
+    blocks = [
+        [spec.split(v, u.shape, layout) for spec, v in zip(specs, vs, strict=True)]
+        for vs, u, layout in zip(olds, updates, layouts, strict=True)
+    ]  # [tensor][state][block]
+    new_blocks = [[list(b) for b in bs] for bs in blocks]
+
+    def compute(batch: list[Tensor], r: int, c: int, members: list[tuple[int, int]]) -> Tensor:
+        out = options.orthogonalize_batches(batch, rows=r, cols=c)
+        old = [torch.cat([blocks[ti][s][bi] for ti, bi in members]) for s in range(len(specs))]
+        out, new = rule.after(out, old, settings)
+        for s, v_new in enumerate(new):
+            for (ti, bi), chunk in zip(members, torch.split(v_new, [m.size(0) for m in batch]), strict=True):
+                new_blocks[ti][s][bi] = chunk
+        return out
+
+    directions = _by_shape(updates, layouts, compute, on_batch)
+    new_states = [
+        [
+            v.clone() if not v.numel() else (b[0] if len(b) == 1 else torch.cat(b, dim=1)).reshape(-1).clone()
+            for v, b in zip(vs, bs, strict=True)
+        ]
+        for vs, bs in zip(olds, new_blocks, strict=True)
+    ]
+    return directions, new_states
 
 
 def _by_shape(

@@ -47,8 +47,8 @@ import torch
 from torch import Tensor
 
 from muonkit.functional.matrices import MatrixLayout
-from muonkit.functional.muon import BatchHook, NSOptions
-from muonkit.functional.update_rule import Hyperparameter, Reduce, RuleSettings, StateSpec, UpdateRule, rule_directions
+from muonkit.functional.muon import BatchHook, NSOptions, rule_directions
+from muonkit.functional.update_rule import Hyperparameter, Reduce, RuleSettings, StateSpec, UpdateRule
 
 __all__ = [
     "NORMUON",
@@ -200,7 +200,7 @@ def normuon_directions(
     eps: float,
     on_batch: BatchHook | None = None,
 ) -> tuple[list[Tensor], list[Tensor]]:
-    """NorMuon's directions and new row moments for whole tensors (:func:`~muonkit.functional.update_rule.rule_directions`
+    """NorMuon's directions and new row moments for whole tensors (:func:`~muonkit.functional.muon.rule_directions`
     of :data:`NORMUON`): ``rows[i]``, the row moments of ``updates[i]`` (:func:`normuon_rows` long),
     are not modified::
 

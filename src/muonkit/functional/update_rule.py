@@ -45,6 +45,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
@@ -53,11 +54,11 @@ import torch
 from torch import Tensor
 
 from muonkit.functional.matrices import MatrixLayout
-from muonkit.functional.muon import BatchHook, NSOptions, _by_shape, muon_directions, muon_update
+from muonkit.functional.muon import muon_update
 from muonkit.functional.sharded import Reduce
 from muonkit.functional.validation import unit
 
-__all__ = ["MUON", "Hyperparameter", "Reduce", "RuleSettings", "StateSpec", "UpdateRule", "rule_directions"]
+__all__ = ["MUON", "Hyperparameter", "Reduce", "RuleSettings", "StateSpec", "UpdateRule"]
 
 
 class RuleSettings(Protocol):
@@ -138,22 +139,32 @@ class UpdateRule:
     """``(rows, cols) -> f``: a bound on ``|D| / (scale * top)`` entrywise beyond Muon's 1, where
     :meth:`after` changes the orthogonalized matrix (:mod:`muonkit.functional.overflow`)."""
 
-    @property
+    @functools.cached_property
     def param_states(self) -> tuple[StateSpec, ...]:
         """The ``"param"`` entries of :attr:`states` but the momentum buffer (which every rule keeps):
         what :meth:`before` reads and writes."""
         return tuple(s for s in self.states if s.kind == "param" and s.key != "momentum_buffer")
 
-    @property
+    @functools.cached_property
     def rows_states(self) -> tuple[StateSpec, ...]:
         """The ``"rows"`` entries of :attr:`states`: what the strategies carry, whole on every rank."""
         return tuple(s for s in self.states if s.kind == "rows")
 
-    @property
+    @functools.cached_property
     def changes_directions(self) -> bool:
         """Whether :meth:`after` does anything: the directions then travel in the update dtype
         (they are no longer the compute dtype's values)."""
         return type(self).after is not UpdateRule.after
+
+    @functools.cached_property
+    def changes_updates(self) -> bool:
+        """Whether :meth:`before` is the rule's own (else the step runs Muon's momentum itself)."""
+        return type(self).before is not UpdateRule.before
+
+    @functools.cached_property
+    def has_commit_hook(self) -> bool:
+        """Whether :meth:`committed` does anything (else the step does not call it)."""
+        return type(self).committed is not UpdateRule.committed
 
     def keys(self, base: Sequence[str]) -> tuple[str, ...]:
         """A group's keys: ``base`` (Muon's) and this rule's own."""
@@ -193,55 +204,3 @@ class UpdateRule:
 
 MUON = UpdateRule()
 """Muon: the momentum, the orthogonalization, the lr shape scale; nothing more."""
-
-
-def rule_directions(
-    updates: Sequence[Tensor],
-    layouts: Sequence[MatrixLayout],
-    options: NSOptions,
-    *,
-    rule: UpdateRule,
-    settings: RuleSettings,
-    states: Sequence[Sequence[Tensor]] | None = None,
-    on_batch: BatchHook | None = None,
-) -> tuple[list[Tensor], list[list[Tensor]]]:
-    """A rule's directions and new ``"rows"`` states (:mod:`muonkit.functional.update_rule`) for whole tensors.
-
-    ``states[i]``: the ``"rows"`` states of ``updates[i]`` (one vector per entry of
-    ``rule.rows_states``), not modified. Where the rule changes the orthogonalized matrices
-    (:meth:`~muonkit.functional.update_rule.UpdateRule.after`), each same-shape batch is
-    orthogonalized and handed to the rule with its states::
-
-        O = after(orthogonalize(U), v)      # the update multiplies it by the lr shape scale
-
-    else these are :func:`muon_directions` (the states, if any, copied unchanged; no states: ``[]``).
-    """
-    if not rule.changes_directions:  # any states unchanged (none without states)
-        same = [[v.clone() for v in vs] for vs in states] if states is not None else []
-        return muon_directions(updates, layouts, options, on_batch=on_batch), same
-    olds = [list(v) for v in states] if states is not None else [[] for _ in updates]
-    specs = rule.rows_states
-    blocks = [
-        [spec.split(v, u.shape, layout) for spec, v in zip(specs, vs, strict=True)]
-        for vs, u, layout in zip(olds, updates, layouts, strict=True)
-    ]  # [tensor][state][block]
-    new_blocks = [[list(b) for b in bs] for bs in blocks]
-
-    def compute(batch: list[Tensor], r: int, c: int, members: list[tuple[int, int]]) -> Tensor:
-        out = options.orthogonalize_batches(batch, rows=r, cols=c)
-        old = [torch.cat([blocks[ti][s][bi] for ti, bi in members]) for s in range(len(specs))]
-        out, new = rule.after(out, old, settings)
-        for s, v_new in enumerate(new):
-            for (ti, bi), chunk in zip(members, torch.split(v_new, [m.size(0) for m in batch]), strict=True):
-                new_blocks[ti][s][bi] = chunk
-        return out
-
-    directions = _by_shape(updates, layouts, compute, on_batch)
-    new_states = [
-        [
-            v.clone() if not v.numel() else (b[0] if len(b) == 1 else torch.cat(b, dim=1)).reshape(-1).clone()
-            for v, b in zip(vs, bs, strict=True)
-        ]
-        for vs, bs in zip(olds, new_blocks, strict=True)
-    ]
-    return directions, new_states

@@ -26,8 +26,8 @@ import torch
 from torch import Tensor
 
 from muonkit.config import MuonConfig
+from muonkit.distributed.base import Compute, StrategyStats
 from muonkit.distributed.collectives import Collectives, Pending
-from muonkit.distributed.compute import Compute, StrategyStats
 from muonkit.distributed.executor import PlannedStrategy
 from muonkit.distributed.pieces import Job
 from muonkit.functional.matrices import MatrixLayout
