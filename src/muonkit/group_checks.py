@@ -9,6 +9,7 @@ what was wrong and what is allowed. The hyperparameters themselves are validated
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
@@ -19,6 +20,7 @@ from torch import Tensor
 from muonkit.config import MuonConfig, key_hint
 from muonkit.distributed import Strategy
 from muonkit.distributed.base import full_shape
+from muonkit.functional.matrices import MatrixLayout
 from muonkit.functional.rules import WHOLE_STATES
 
 SWAPPED_PARAMS = (
@@ -93,10 +95,17 @@ def check_muon_params(
                 f"Muon needs >= 2 dims{hint}"
             )
         try:
-            config.layout.blocks(shape)
+            _cuts(config.layout, tuple(shape))
         except ValueError as e:
             raise ValueError(f"{e} in param group {index}") from None
     check_ns_dtype(config, params, index)
+
+
+@functools.lru_cache(maxsize=4096)
+def _cuts(layout: MatrixLayout, shape: tuple[int, ...]) -> bool:
+    """Whether ``layout`` cuts a tensor of ``shape`` (else its ValueError), worked out once per pair."""
+    layout.blocks(shape)
+    return True
 
 
 def check_ns_dtype(config: MuonConfig, params: Sequence[Tensor], index: int) -> None:

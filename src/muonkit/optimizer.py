@@ -40,7 +40,7 @@ from muonkit.config import (
 )
 from muonkit.defaults import DEFAULTS, Defaults
 from muonkit.distributed import Strategy, world_size
-from muonkit.distributed.guard import Guard, Verdict, participation
+from muonkit.distributed.guard import Guard, Verdict
 from muonkit.functional.rules import RULES, rule_keywords
 from muonkit.group_checks import (
     check_keywords,
@@ -224,9 +224,12 @@ class HybridMuon(Optimizer):
             try:
                 self._strategy = self._choose_strategy()
             except ValueError:  # join the other ranks' agreement first, so that every rank raises
-                has_grad, settings = participation(self.param_groups, configs, nonfinite=self.nonfinite)
                 agree_before_refusing(
-                    self._all_params(), process_group=self._process_group, has_grad=has_grad, settings=settings
+                    self._all_params(),
+                    process_group=self._process_group,
+                    groups=self.param_groups,
+                    configs=configs,
+                    nonfinite=self.nonfinite,
                 )
                 raise
         return self._strategy

@@ -11,12 +11,13 @@ distributed package look at DTensors, and only through ``sys.modules``: where
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from muonkit.config import AdamWConfig, MuonConfig
 from muonkit.distributed import SingleDeviceStrategy, Strategy, select_strategy
 from muonkit.distributed.base import full_shape
 
@@ -79,7 +80,12 @@ def choose_strategy(params: list[Tensor], *, process_group: Any, built_distribut
 
 
 def agree_before_refusing(
-    params: list[Tensor], *, process_group: Any, has_grad: list[bool], settings: Callable[[], Sequence[Any]]
+    params: list[Tensor],
+    *,
+    process_group: Any,
+    groups: Sequence[Mapping[str, Any]],
+    configs: Sequence[MuonConfig | AdamWConfig],
+    nonfinite: str,
 ) -> None:
     """Join the other ranks' agreement before refusing a mix of DTensor and plain params.
 
@@ -95,7 +101,7 @@ def agree_before_refusing(
         probe = select_strategy(sharded, process_group=process_group)
     except (ValueError, NotImplementedError):
         return  # the DTensors alone are refused too: on every rank that holds them
-    probe.guard.agree(has_grad, settings)
+    probe.guard.agree(groups, configs, nonfinite=nonfinite)
 
 
 def placement_before_choice(strategy: Strategy | None) -> PlacementReaders:

@@ -11,9 +11,16 @@ import torch.distributed as dist
 
 import muonkit
 from muonkit.config import group_config
-from muonkit.distributed.agreement import Setting, check_agreement, encode, settings_of, value_vector, values_agree
 from muonkit.distributed.collectives import flag_device
-from muonkit.distributed.guard.ranks import _values_differ
+from muonkit.distributed.guard.ranks import (
+    Setting,
+    _values_differ,
+    check_agreement,
+    encode,
+    settings_of,
+    value_vector,
+    values_agree,
+)
 
 
 @pytest.mark.parametrize(

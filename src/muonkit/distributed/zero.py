@@ -22,7 +22,7 @@ owner (fp32) and once back (the Newton-Schulz compute dtype when narrower, else 
 parameters inside one partition cost nothing. The directions equal those of
 :class:`SingleDeviceStrategy` on the whole parameters. Zero-size parameters have no pieces, no
 owner and nothing to compute. As under DDP and FSDP2, each ``step()`` also sends one tiny
-all-reduce that checks all ranks hold the same settings (:mod:`muonkit.distributed.agreement`;
+all-reduce that checks all ranks hold the same settings (:mod:`muonkit.distributed.guard.ranks`;
 DeepSpeed ZeRO-3 calls ``step()`` once per sub-group).
 
 Example (what :func:`muonkit.integrations.deepspeed.initialize` does)::

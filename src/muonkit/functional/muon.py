@@ -335,6 +335,10 @@ def rule_directions(
     return directions, new_states
 
 
+_PLAIN = ("auto", "matrix")
+"""Layout kinds that read a 2-D tensor as one matrix, as it is."""
+
+
 def _by_shape(
     updates: Sequence[Tensor],
     layouts: Sequence[MatrixLayout],
@@ -342,7 +346,14 @@ def _by_shape(
     on_batch: BatchHook | None,
 ) -> list[Tensor]:
     """``compute`` once per matrix shape on every matrix of that shape, results put back per tensor."""
-    pieces: list[list[Tensor]] = [layout.to_matrices(u) for u, layout in zip(updates, layouts, strict=True)]
+    plain = [
+        u.ndim == 2 and layout.kind in _PLAIN and layout.split_sizes is None
+        for u, layout in zip(updates, layouts, strict=True)
+    ]
+    pieces: list[list[Tensor]] = [
+        [u.reshape(1, *u.shape)] if flat else layout.to_matrices(u)  # a plain matrix: as to_matrices would
+        for u, layout, flat in zip(updates, layouts, plain, strict=True)
+    ]
     by_shape: dict[tuple[int, int], list[tuple[int, int]]] = {}
     for ti, mats in enumerate(pieces):
         for bi, m in enumerate(mats):
@@ -361,8 +372,10 @@ def _by_shape(
         for (ti, bi), chunk in zip(members, chunks, strict=True):
             results[ti, bi] = chunk
     return [
-        layout.from_matrices([results[ti, bi] for bi in range(len(mats))], u.shape)
-        for ti, (mats, u, layout) in enumerate(zip(pieces, updates, layouts, strict=True))
+        results[ti, 0].reshape(u.shape)
+        if flat
+        else layout.from_matrices([results[ti, bi] for bi in range(len(mats))], u.shape)
+        for ti, (mats, u, layout, flat) in enumerate(zip(pieces, updates, layouts, plain, strict=True))
     ]
 
 

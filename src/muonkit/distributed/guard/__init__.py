@@ -21,7 +21,7 @@ the policies below; :class:`CollectiveGuard` (:mod:`.ranks`) that of every commu
 strategy (the agreement, verdict flags AND-ed over ranks, the late checks and the failure
 channel, in its :class:`~muonkit.distributed.collectives.Collectives`); :class:`MeshGuard` adds
 what DTensor meshes need (gradients placed otherwise than their params, the fingerprints of
-plain params replicated beside tensor-parallel ones). The verdict's parts: :mod:`.verdict`.
+plain params replicated beside tensor-parallel ones). The verdict's parts are in :mod:`.local`.
 
 The verdict of :class:`muonkit.HybridMuon` (``nonfinite=``) has three policies, chosen per step
 by :meth:`Guard.before`:
@@ -42,8 +42,7 @@ A skipped step is counted in ``skipped_steps`` and logged on the ``muonkit.optim
 
 from __future__ import annotations
 
-from muonkit.distributed.guard.local import Guard, participation
+from muonkit.distributed.guard.local import Guard, Stream, Verdict
 from muonkit.distributed.guard.ranks import CollectiveGuard, MeshGuard
-from muonkit.distributed.guard.verdict import Stream, Verdict
 
-__all__ = ["CollectiveGuard", "Guard", "MeshGuard", "Stream", "Verdict", "participation"]
+__all__ = ["CollectiveGuard", "Guard", "MeshGuard", "Stream", "Verdict"]

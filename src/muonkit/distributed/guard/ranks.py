@@ -3,7 +3,7 @@
 What ranks must agree on before a step (settings, which params have gradients) is known on
 the host, so it is reduced on the host: over the collectives'
 :attr:`~muonkit.distributed.collectives.Collectives.host_group`, never through the device, so the
-check makes the host wait for no device work (:mod:`muonkit.distributed.agreement`). Values
+check makes the host wait for no device work (:func:`encode`, below). Values
 that live on the device and must be equal on every rank (:meth:`CollectiveGuard.expect_equal`:
 the TP fingerprints of :class:`MeshGuard`) ride with the step's non-finite verdict
 (:meth:`CollectiveGuard.all_true`, the step's one blocking read) or, in a step without one, are
@@ -12,27 +12,67 @@ checked one step late from a host copy that waited for nothing (:meth:`Collectiv
 A rank that raises inside a step tells the others through the collectives' failure channel
 (:meth:`CollectiveGuard.step_failed`, :mod:`muonkit.distributed.failure`). Every collective goes
 through :class:`~muonkit.distributed.collectives.Collectives`, counted.
+
+Ranks that step different params hang a collective or mix unrelated tensors in it; ranks with
+different hyperparameters (an lr set per rank by mistake) silently train different models. So
+every step they agree on one small integer vector:
+
+====================================  ===============================================================
+word                                  meaning
+====================================  ===============================================================
+``hash(setting)``, one per setting    the param groups' structure (algorithms, param shapes and
+                                      dtypes), ``nonfinite``, the strategy, then every field of every
+                                      group's typed config (``lr``, ``momentum``, ``betas``...)
+``0`` or ``1``, one per param         whether it has a gradient on this rank
+====================================  ===============================================================
+
+followed by the same words negated. The maximum of ``-x`` is minus the minimum of ``x``, so one
+``all_reduce(MAX)`` gives every word's maximum and minimum over ranks, and a word differs
+somewhere exactly when they differ. Hashes are 62 bits (blake2b of the setting's name and
+``repr``, which is exact for floats), so ``x`` and ``-x`` both fit in int64; a collision between
+two different values has probability ~2^-62 per setting. The vector is zero-padded to a power of
+two (at least 64 words): ranks whose param counts differ by a few (an extra group on one rank)
+still issue the same collective and get the "param groups differ" error instead of a crash in it.
+
+All of it is known on the host, so the vector is built and reduced there (over
+:attr:`~muonkit.distributed.collectives.Collectives.host_group`: the group itself, or a gloo
+group beside an NCCL one), and reading it makes the host wait for no device work. Device values
+ranks must share (:func:`value_vector`) are checked with the step's non-finite verdict instead.
+
+Every rank sees the same reduced vector, so every rank raises the same error (naming the setting
+and its value on that rank) and none is left waiting in a later collective. Lr schedulers that
+change ``lr`` identically on every rank keep the ranks in agreement.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+import hashlib
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from muonkit.distributed import agreement
-from muonkit.distributed.agreement import Setting
+from muonkit.config import AdamWConfig, MuonConfig
 from muonkit.distributed.collectives import flag_device, reduce_device
 from muonkit.distributed.failure import every_rank
-from muonkit.distributed.guard.local import Guard, Settings
+from muonkit.distributed.guard.local import Guard
 
 if TYPE_CHECKING:
     from muonkit.distributed.collectives import Collectives
 
-__all__ = ["CollectiveGuard", "MeshGuard"]
+__all__ = [
+    "CollectiveGuard",
+    "MeshGuard",
+    "Setting",
+    "check_agreement",
+    "encode",
+    "settings_of",
+    "value_vector",
+    "values_agree",
+]
 
 
 class CollectiveGuard(Guard):
@@ -50,19 +90,22 @@ class CollectiveGuard(Guard):
         self.host_buffers: list[Tensor] = []
         """The host tensors of the latest checks (for counting reads: host memory in a device run too)."""
 
-    def agree(self, has_grad: Sequence[bool], settings: Settings = list) -> None:
+    def agree(
+        self, groups: Sequence[Mapping[str, Any]], configs: Sequence[MuonConfig | AdamWConfig], *, nonfinite: str
+    ) -> None:
         """Raise on every rank (never hang) unless all ranks hold the same settings and gradient
-        flags (one tiny all_reduce MAX on the host; see :mod:`muonkit.distributed.agreement`).
+        flags (one tiny all_reduce MAX on the host, :func:`encode`).
 
         First the values of the previous step's late check (:meth:`end`), if any. Opens the step
         (the first collective of every step): a rank out of step since a failed step raises here.
         """
-        shared = [*settings(), Setting("strategy", self.strategy)]
+        has_grad = [p.grad is not None for g in groups for p in g["params"]]
+        shared = [*settings_of(configs, groups, nonfinite=nonfinite), Setting("strategy", self.strategy)]
         comm = self.comm
         comm.channel.begin()
         self._values = None
         self._check_late()
-        encoded = agreement.encode(shared, has_grad)
+        encoded = encode(shared, has_grad)
         group = comm.host_group
         if group is None:  # no gloo: through the device, with a read
             encoded, self.host_buffers = encoded.to(flag_device(comm.group)), []
@@ -70,7 +113,7 @@ class CollectiveGuard(Guard):
             self.host_buffers = [encoded]
         comm.all_reduce(encoded, op=dist.ReduceOp.MAX, group=group)
         try:
-            agreement.check_agreement(encoded.cpu(), shared, has_grad)
+            check_agreement(encoded.cpu(), shared, has_grad)
         except (ValueError, RuntimeError) as e:
             every_rank(e)  # every rank reads the same reduced vector: the group stays in step
             raise
@@ -93,7 +136,7 @@ class CollectiveGuard(Guard):
         """Each of a few booleans AND-ed over every rank, then whether the :meth:`expect_equal` values
         agree: one tiny all_reduce MIN where ``flags`` live (where the backend reduces them), no read.
 
-        The values go as :func:`~muonkit.distributed.agreement.value_vector` (their words and the
+        The values go as :func:`value_vector` (their words and the
         words negated). The result is a bool vector on that device, ``flags.numel() + 1`` long; a
         false last flag means :meth:`values_error`.
         """
@@ -105,10 +148,10 @@ class CollectiveGuard(Guard):
         if named is None:
             t = t.clone()
         else:
-            t = torch.cat([t, agreement.value_vector(named[1]).to(device)])
+            t = torch.cat([t, value_vector(named[1]).to(device)])
             self._named = named[0]
         self.comm.all_reduce(t, op=dist.ReduceOp.MIN)
-        equal = torch.ones((), dtype=torch.bool, device=device) if named is None else agreement.values_agree(t[count:])
+        equal = torch.ones((), dtype=torch.bool, device=device) if named is None else values_agree(t[count:])
         return torch.cat([t[:count].bool(), equal.reshape(1)])
 
     def values_error(self) -> Exception:
@@ -184,7 +227,9 @@ class MeshGuard(CollectiveGuard):
             if grad.device_mesh != p.device_mesh or tuple(grad.placements) != tuple(p.placements):
                 p.grad = grad.redistribute(p.device_mesh, p.placements)
 
-    def agree(self, has_grad: Sequence[bool], settings: Settings = list) -> None:
+    def agree(
+        self, groups: Sequence[Mapping[str, Any]], configs: Sequence[MuonConfig | AdamWConfig], *, nonfinite: str
+    ) -> None:
         """Also: the plain params (replicated beside the DTensors) have the same gradients on every rank.
 
         Tensor parallelism leaves some params plain (norms under ``parallelize_module``, or
@@ -196,7 +241,7 @@ class MeshGuard(CollectiveGuard):
         rank, before anything changes, instead of drifting apart. With ``nonfinite="unchecked"``
         (no verdict, no read) it is checked one step late.
         """
-        super().agree(has_grad, settings)
+        super().agree(groups, configs, nonfinite=nonfinite)
         grads = [p.grad for p in self.replicated if p.grad is not None]
         if grads:
             sums = torch.stack([g.detach().sum(dtype=torch.float64) for g in grads])
@@ -214,3 +259,111 @@ def _values_differ(name: str, *, late: bool) -> ValueError:
         f"HybridMuon's {name} differ across ranks{when}. Every rank must step the same values: average "
         "them over the ranks that share them (e.g. leave the module inside the data-parallel wrapper)"
     )
+
+
+# ---------------------------------------------------------------- the agreement
+
+_MIN_WORDS = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """One thing every rank must agree on: its name and its value on this rank (a ``repr``)."""
+
+    name: str
+    value: str
+
+    def word(self) -> int:
+        """A 62-bit hash of name and value (so that ``-word`` fits in int64 too)."""
+        digest = hashlib.blake2b(f"{self.name}={self.value}".encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "little") >> 2
+
+
+def settings_of(
+    configs: Sequence[MuonConfig | AdamWConfig], groups: Sequence[Mapping[str, Any]], **options: Any
+) -> list[Setting]:
+    """The settings of an optimizer's param groups that every rank must share.
+
+    First the structure (per group: the algorithm and each param's shape and dtype, as this
+    rank's optimizer sees them: whole, DTensor global or ZeRO partition shapes), then
+    ``options`` (optimizer-wide settings such as ``nonfinite``), then each group's typed
+    config field by field.
+    """
+    structure = [
+        (type(c).__name__, [(tuple(p.shape), str(p.dtype)) for p in g["params"]])
+        for c, g in zip(configs, groups, strict=True)
+    ]
+    settings = [Setting("param groups (algorithms, param shapes and dtypes)", repr(structure))]
+    settings += [Setting(name, repr(value)) for name, value in options.items()]
+    for i, config in enumerate(configs):
+        for field in dataclasses.fields(config):
+            settings.append(Setting(f"param group {i} {field.name}", repr(getattr(config, field.name))))
+    return settings
+
+
+def encode(settings: Sequence[Setting], has_grad: Sequence[bool]) -> torch.Tensor:
+    """This rank's int64 vector (on the CPU): setting hashes, gradient flags, zero padding, then all negated."""
+    words = [s.word() for s in settings] + [int(bool(f)) for f in has_grad]
+    size = max(_MIN_WORDS, 1 << max(0, len(words) - 1).bit_length())
+    mine = torch.zeros(size, dtype=torch.int64)
+    mine[: len(words)] = torch.tensor(words, dtype=torch.int64)
+    return torch.cat([mine, -mine])
+
+
+def value_words(values: torch.Tensor) -> torch.Tensor:
+    """Values (any float dtype, on any device) as words every rank must share, computed where they
+    are (no host read): the low and high 32 bits of each value's float64 bit pattern."""
+    bits = values.detach().to(torch.float64).reshape(-1).view(torch.int64)
+    return torch.cat([bits & 0xFFFFFFFF, (bits >> 32) & 0xFFFFFFFF])
+
+
+def value_vector(values: torch.Tensor) -> torch.Tensor:
+    """The words of ``values`` (:func:`value_words`) and their negations, for an ``all_reduce(MIN)``:
+    the minimum of ``-x`` is minus the maximum of ``x``, so after it a word differs somewhere
+    exactly when its two minima do not cancel (:func:`values_agree`)."""
+    words = value_words(values)
+    return torch.cat([words, -words])
+
+
+def values_agree(minima: torch.Tensor) -> torch.Tensor:
+    """Whether every rank held the same values, from the MIN-reduced :func:`value_vector`: a 0-dim
+    bool where ``minima`` are (no read)."""
+    half = minima.numel() // 2
+    return (minima[:half] + minima[half:]).eq(0).all()
+
+
+def check_agreement(reduced: torch.Tensor, settings: Sequence[Setting], has_grad: Sequence[bool]) -> None:
+    """Raise unless the MAX all-reduce of :func:`encode` (a host tensor) shows every rank holding the same words.
+
+    Raises ``ValueError`` when param groups or settings differ (a setup mistake) and
+    ``RuntimeError`` when only the params with gradients differ.
+    """
+    got = reduced.tolist()  # a host tensor: reading it waits for nothing
+    size = len(got) // 2
+    differ = [k for k in range(size) if got[k] + got[size + k] != 0]  # max != min
+    if not differ:
+        return
+    flags_end = len(settings) + len(has_grad)
+    if differ[0] == 0 or differ[0] >= flags_end:  # shapes differ: nothing aligns
+        first = settings[0]
+        raise ValueError(
+            f"HybridMuon's {first.name} differ across ranks; on this rank: {_short(first.value)}. Every rank must "
+            "build the same model and param groups"
+        )
+    names = [settings[k] for k in differ if k < len(settings)]
+    if names:
+        listed = "; ".join(f"{s.name} (here {_short(s.value)})" for s in names[:10])
+        raise ValueError(
+            f"HybridMuon settings differ across ranks: {listed}{'...' if len(names) > 10 else ''}. Every rank must "
+            "use the same hyperparameters (set them, and step lr schedulers, identically on every rank)"
+        )
+    positions = [k - len(settings) for k in differ if k < flags_end]
+    raise RuntimeError(
+        f"Ranks disagree on which params have gradients at positions {positions[:10]}"
+        f"{'...' if len(positions) > 10 else ''}: every rank must step the same params (a param's .grad must be "
+        "None on all ranks or on none)"
+    )
+
+
+def _short(text: str, limit: int = 120) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
