@@ -8,7 +8,6 @@ dataclass. Every error names the key, the value and what is allowed.
 from __future__ import annotations
 
 import difflib
-import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -19,7 +18,7 @@ from muonkit.defaults import DEFAULTS, TORCH_MUON_DEFAULTS, Defaults  # noqa: F4
 from muonkit.functional.coefficients import as_schedule, resolve_preset
 from muonkit.functional.lr_scaling import ADJUST_LR_CHOICES
 from muonkit.functional.matrices import LAYOUT_KINDS, MatrixLayout
-from muonkit.functional.muon import NSOptions, made_once
+from muonkit.functional.muon import NSOptions, once
 from muonkit.functional.orthogonalize import METHODS, default_compute_dtype, orthogonalization_flops
 from muonkit.functional.rules import RULES, rule_keywords, rule_of
 from muonkit.functional.update_rule import UpdateRule
@@ -100,22 +99,19 @@ class MuonConfig:
     rule_settings: tuple[tuple[str, Any], ...] = ()
     ns_compile: bool = False
 
-    @property
+    @once
     def rule(self) -> UpdateRule:
-        """The group's update rule."""
+        """The group's update rule (looked up once per config: :class:`~muonkit.functional.muon.once`)."""
         return RULES[self.algorithm]
 
     def setting(self, key: str) -> Any:
         """The value of the rule's own key ``key`` in this group."""
         return dict(self.rule_settings)[key]
 
-    @property
+    @once
     def ns_options(self) -> NSOptions:
         """The orthogonalization options, made once per config (a steady step reuses its configs);
-        made afresh while ``torch.compile`` traces (:func:`~muonkit.functional.muon.made_once`)."""
-        return made_once(self, "_made_ns_options", self._ns_options)
-
-    def _ns_options(self) -> NSOptions:
+        made afresh while ``torch.compile`` traces (:class:`~muonkit.functional.muon.once`)."""
         return NSOptions(
             self.ns_coefficients,
             self.ns_steps,
@@ -136,7 +132,7 @@ class MuonConfig:
             dtype = default_compute_dtype(device)
         return orthogonalization_flops(rows, cols, self.steps, self.ns_method, dtype)
 
-    @property
+    @once
     def steps(self) -> int:
         """The number of Newton-Schulz steps actually run."""
         return len(self.ns_options.resolved()[0])
@@ -164,71 +160,6 @@ def group_config(group: Mapping[str, Any], index: int | None = None) -> MuonConf
         return _adamw_config(group) if algorithm == "adamw" else _muon_config(group, algorithm)
     except ValueError as e:
         raise ValueError(f"{e}{where}") from None
-
-
-class GroupConfigs:
-    """Each param group's validated config, validated again only when the group's values change.
-
-    A steady step reads every group's config; validating unchanged values again was a seventh of
-    a step's Python calls. A group's config is kept under a snapshot of its values (every key but
-    ``params`` and ``param_names``, sequences element by element) and reused while the snapshot
-    is equal: a value written since (a scheduler's new ``lr``, ``group["betas"][0] = ...`` in
-    place) makes a new snapshot, validated before anything changes, and a bad one raises as
-    :func:`group_config` does. Groups holding a value whose contents may change unseen (a tensor,
-    a numpy array, an unknown object) are validated at every call.
-    """
-
-    def __init__(self) -> None:
-        self._kept: list[tuple[tuple[Any, ...], MuonConfig | AdamWConfig] | None] = []
-
-    def __call__(self, group: Mapping[str, Any], index: int) -> MuonConfig | AdamWConfig:
-        """``group_config(group, index)``, from the snapshot of ``group``'s values if they did not change."""
-        kept = self._kept
-        values = snapshot(group)
-        if index < len(kept) and (entry := kept[index]) is not None and entry[0] == values:
-            return entry[1]
-        config = group_config(group, index)
-        kept.extend([None] * (index + 1 - len(kept)))
-        kept[index] = None if values is None else (values, config)
-        return config
-
-
-_ATOMS = frozenset({int, bool, str, type(None), torch.dtype})
-"""Immutable value types compared as they are (a float by its bits: ``-0.0`` and ``0.0`` differ)."""
-
-
-def snapshot(group: Mapping[str, Any]) -> tuple[Any, ...] | None:
-    """``group``'s values (all keys but ``params`` and ``param_names``) as an immutable tuple that
-    is equal exactly when every value is of the same type with the same bits; None when a value
-    could change without a new snapshot seeing it (a tensor, an array, an unknown object)."""
-    out: list[Any] = []
-    for key, value in group.items():
-        kind = type(value)
-        if kind is float:
-            out.append((key, value.hex()))
-        elif kind in _ATOMS:
-            out.append((key, kind, value))
-        elif key != "params" and key != "param_names":
-            frozen = _frozen(value)
-            if frozen is None:
-                return None
-            out.append((key, frozen))
-    return tuple(out)
-
-
-def _frozen(value: Any) -> Any:
-    """An immutable copy of a sequence of numbers or a numeric scalar, tagged by type; None if there is none."""
-    kind = type(value)
-    if kind is float:
-        return value.hex()
-    if kind in _ATOMS:
-        return (kind, value)
-    if kind is list or kind is tuple:
-        items = [_frozen(v) for v in value]
-        return None if None in items else (kind, tuple(items))
-    if kind.__module__ in ("numpy", "decimal", "fractions") and isinstance(value, numbers.Number):
-        return (kind, repr(value))  # numpy scalars, Decimal, Fraction: immutable (a 0-d array is no Number)
-    return None
 
 
 def _muon_config(g: Mapping[str, Any], algorithm: str = "muon") -> MuonConfig:

@@ -10,6 +10,7 @@ what was wrong and what is allowed. The hyperparameters themselves are validated
 from __future__ import annotations
 
 import functools
+import numbers
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
@@ -17,7 +18,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
-from muonkit.config import MuonConfig, key_hint
+from muonkit.config import AdamWConfig, MuonConfig, group_config, key_hint
 from muonkit.distributed import Strategy
 from muonkit.distributed.base import full_shape
 from muonkit.functional.matrices import MatrixLayout
@@ -30,6 +31,71 @@ SWAPPED_PARAMS = (
     "(the HF Trainer: muonkit.integrations.deepspeed.trainer_setup)"
 )
 """Why a Muon group holds a < 2-D tensor at ``step()`` or ``load_state_dict()``."""
+
+
+class GroupConfigs:
+    """Each param group's validated config, validated again only when the group's values change.
+
+    A steady step reads every group's config; validating unchanged values again was a seventh of
+    a step's Python calls. A group's config is kept under a snapshot of its values (every key but
+    ``params`` and ``param_names``, sequences element by element) and reused while the snapshot
+    is equal: a value written since (a scheduler's new ``lr``, ``group["betas"][0] = ...`` in
+    place) makes a new snapshot, validated before anything changes, and a bad one raises as
+    :func:`group_config` does. Groups holding a value whose contents may change unseen (a tensor,
+    a numpy array, an unknown object) are validated at every call.
+    """
+
+    def __init__(self) -> None:
+        self._kept: list[tuple[tuple[Any, ...], MuonConfig | AdamWConfig] | None] = []
+
+    def __call__(self, group: Mapping[str, Any], index: int) -> MuonConfig | AdamWConfig:
+        """``group_config(group, index)``, from the snapshot of ``group``'s values if they did not change."""
+        kept = self._kept
+        values = snapshot(group)
+        if index < len(kept) and (entry := kept[index]) is not None and entry[0] == values:
+            return entry[1]
+        config = group_config(group, index)
+        kept.extend([None] * (index + 1 - len(kept)))
+        kept[index] = None if values is None else (values, config)
+        return config
+
+
+_ATOMS = frozenset({int, bool, str, type(None), torch.dtype})
+"""Immutable value types compared as they are (a float by its bits: ``-0.0`` and ``0.0`` differ)."""
+
+
+def snapshot(group: Mapping[str, Any]) -> tuple[Any, ...] | None:
+    """``group``'s values (all keys but ``params`` and ``param_names``) as an immutable tuple that
+    is equal exactly when every value is of the same type with the same bits; None when a value
+    could change without a new snapshot seeing it (a tensor, an array, an unknown object)."""
+    out: list[Any] = []
+    for key, value in group.items():
+        kind = type(value)
+        if kind is float:
+            out.append((key, value.hex()))
+        elif kind in _ATOMS:
+            out.append((key, kind, value))
+        elif key != "params" and key != "param_names":
+            frozen = _frozen(value)
+            if frozen is None:
+                return None
+            out.append((key, frozen))
+    return tuple(out)
+
+
+def _frozen(value: Any) -> Any:
+    """An immutable copy of a sequence of numbers or a numeric scalar, tagged by type; None if there is none."""
+    kind = type(value)
+    if kind is float:
+        return value.hex()
+    if kind in _ATOMS:
+        return (kind, value)
+    if kind is list or kind is tuple:
+        items = [_frozen(v) for v in value]
+        return None if None in items else (kind, tuple(items))
+    if kind.__module__ in ("numpy", "decimal", "fractions") and isinstance(value, numbers.Number):
+        return (kind, repr(value))  # numpy scalars, Decimal, Fraction: immutable (a 0-d array is no Number)
+    return None
 
 
 def check_keywords(owner: str, unknown: Mapping[str, Any], keywords: Sequence[str]) -> None:

@@ -31,7 +31,6 @@ from muonkit.config import (
     MATRIX_ALGORITHMS,
     OPTIMIZER_KEYWORDS,
     AdamWConfig,
-    GroupConfigs,
     MuonConfig,
     check_group_keys,
     check_read_keys,
@@ -43,6 +42,7 @@ from muonkit.distributed import Strategy, world_size
 from muonkit.distributed.guard import Guard, Verdict
 from muonkit.functional.rules import RULES, rule_keywords
 from muonkit.group_checks import (
+    GroupConfigs,
     check_keywords,
     check_muon_params,
     checked_work,
@@ -321,7 +321,7 @@ class HybridMuon(Optimizer):
 
     def _group_configs(self) -> list[MuonConfig | AdamWConfig]:
         """Every group's validated config (validated again only where its values changed,
-        :class:`~muonkit.config.GroupConfigs`); capturable, the group's rate tensors are not read.
+        :class:`~muonkit.group_checks.GroupConfigs`); capturable, the group's rate tensors are not read.
 
         A number written into a capturable group's ``lr`` or ``weight_decay`` since the last step
         is checked and copied into the group's tensor first (:func:`muonkit.capturable.hold_rates`).

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 import muonkit
+import muonkit.group_checks
 from helpers import Tiny, tiny_loss
 from muonkit.integrations.transformers import make_optimizer
 
@@ -328,7 +329,7 @@ def test_a_copied_group_passes_at_the_defaults_and_an_edited_unread_key_is_refus
 
 # ---------------------------------------------------------------- values written between steps
 # A steady step reuses each group's validated config while the group's values stay the same
-# (muonkit.config.GroupConfigs); whatever is written since, by assignment or in place, is
+# (muonkit.group_checks.GroupConfigs); whatever is written since, by assignment or in place, is
 # validated before anything changes.
 
 
@@ -413,8 +414,10 @@ def test_a_value_changed_in_place_between_steps_is_validated_again(
 def test_a_steady_step_validates_only_the_groups_whose_values_changed(monkeypatch: pytest.MonkeyPatch) -> None:
     _, opt = _stepped(split_sizes=[2, 4])
     validated: list[int | None] = []
-    group_config = muonkit.config.group_config
-    monkeypatch.setattr(muonkit.config, "group_config", lambda g, i=None: validated.append(i) or group_config(g, i))
+    group_config = muonkit.group_checks.group_config  # what GroupConfigs validates with
+    monkeypatch.setattr(
+        muonkit.group_checks, "group_config", lambda g, i=None: validated.append(i) or group_config(g, i)
+    )
     opt.step()
     assert validated == []
     opt.param_groups[1]["betas"][0] = 0.8  # in place: the same list

@@ -156,7 +156,9 @@ class PlannedStrategy(Strategy):
         """
         moments = None if states is None else RowStates(config, states, lambda: _describe(plan), plan.memo)
         split = self._start_splits(plan, updates, config)
-        exchanges = rank_schedule(plan, self.comm.rank, self.comm.world_size)
+        exchanges = plan.memo.get(("schedule", self.comm.rank, self.comm.world_size))  # made at the first run
+        if exchanges is None:
+            exchanges = rank_schedule(plan, self.comm.rank, self.comm.world_size)
         likes = [updates[plan.jobs[group[0]].tensor] for group in plan.groups]
         gathers = [self._gather(plan, part, updates, like) for part, like in zip(exchanges, likes, strict=True)]
         if split is not None:
@@ -164,7 +166,7 @@ class PlannedStrategy(Strategy):
         returns = []
         for k, part in enumerate(exchanges):
             like = likes[k]
-            wire = wire_dtype(config, like)
+            wire = self._wire_dtype(config, like)
             options = config.ns_options
             ready = part.ready
             results = dict(
@@ -187,6 +189,18 @@ class PlannedStrategy(Strategy):
             split.finish(out)
         if moments is not None:
             moments.share(self.comm.all_reduce)
+
+    @functools.cached_property
+    def _wires(self) -> dict[Hashable, torch.dtype]:
+        return {}
+
+    def _wire_dtype(self, config: MuonConfig, like: Tensor) -> torch.dtype:
+        """:func:`~muonkit.distributed.planner.wire_dtype`, worked out once per what it depends on."""
+        key = (config.rule.changes_directions, config.ns_dtype, like.dtype, like.device)
+        wire = self._wires.get(key)
+        if wire is None:
+            wire = self._wires[key] = wire_dtype(config, like)
+        return wire
 
     # -- split jobs (muonkit.distributed.split_run) ---------------------------------------------
 

@@ -27,7 +27,7 @@ import functools
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar, cast
+from typing import TYPE_CHECKING, Generic, TypeVar, overload
 
 import torch
 from torch import Tensor
@@ -109,6 +109,41 @@ def _like_buffers(grads: list[Tensor], buffers: list[Tensor]) -> list[Tensor]:
     return [g if g.dtype == b.dtype else g.to(b.dtype) for g, b in zip(grads, buffers, strict=True)]
 
 
+T = TypeVar("T")
+Owner = TypeVar("Owner")
+
+
+class once(Generic[Owner, T]):
+    """A read-only property made at its first read and kept in the object's ``__dict__``, so a later
+    read runs no code at all (the object may be a frozen dataclass: a value derived from its fields).
+
+    Made afresh while ``torch.compile`` traces (no cache for it to guard on;
+    ``functools.cached_property`` takes a lock that dynamo cannot enter).
+    """
+
+    def __init__(self, make: Callable[[Owner], T]) -> None:
+        self.make = make
+        self.name = make.__name__
+        self.__doc__ = make.__doc__
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, obj: None, owner: type | None = None) -> once[Owner, T]: ...
+
+    @overload
+    def __get__(self, obj: Owner, owner: type | None = None) -> T: ...
+
+    def __get__(self, obj: Owner | None, owner: type | None = None) -> T | once[Owner, T]:
+        if obj is None:
+            return self
+        value = self.make(obj)
+        if not torch.compiler.is_compiling():
+            obj.__dict__[self.name] = value
+        return value
+
+
 @dataclass(frozen=True)
 class NSOptions:
     """How to orthogonalize: the Newton-Schulz schedule (the lr shape scale is the update's: :func:`scale_`)."""
@@ -137,32 +172,18 @@ class NSOptions:
 
     def resolved(self) -> tuple[tuple[tuple[float, float, float], ...], float, float, torch.dtype | None, str]:
         """The validated schedule and settings (:func:`~muonkit.functional.orthogonalize.resolved_options`),
-        resolved at the first use of these options, not at every batch (:func:`made_once`)."""
-        return made_once(
-            self,
-            "_resolved",
-            lambda: resolved_options(self.coefficients, self.steps, self.eps, self.dtype, self.method),
-        )
+        resolved at the first use of these options, not at every batch (:class:`once`)."""
+        return self._resolved
 
-    @property
+    @once
+    def _resolved(self) -> tuple[tuple[tuple[float, float, float], ...], float, float, torch.dtype | None, str]:
+        return resolved_options(self.coefficients, self.steps, self.eps, self.dtype, self.method)
+
+    @once
     def bounded(self) -> bool:
         """Whether the schedule is a preset's, whose directions are finite wherever its updates are
-        (:func:`~muonkit.functional.coefficients.is_preset_schedule`), worked out once (:func:`made_once`)."""
-        return made_once(self, "_bounded", lambda: is_preset_schedule(self.coefficients, steps=self.steps))
-
-
-T = TypeVar("T")
-
-
-def made_once(owner: object, name: str, make: Callable[[], T]) -> T:
-    """``make()``, kept in ``owner.__dict__[name]`` at the first call (``owner`` may be a frozen dataclass:
-    a value derived from its fields) and made afresh while ``torch.compile`` traces (no cache for it to
-    guard on; ``functools.cached_property`` takes a lock that dynamo cannot enter)."""
-    if torch.compiler.is_compiling():
-        return make()
-    if name not in owner.__dict__:
-        object.__setattr__(owner, name, make())
-    return cast(T, owner.__dict__[name])
+        (:func:`~muonkit.functional.coefficients.is_preset_schedule`), worked out once (:class:`once`)."""
+        return is_preset_schedule(self.coefficients, steps=self.steps)
 
 
 BatchHook = Callable[[int, int, int], None]
