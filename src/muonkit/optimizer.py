@@ -289,9 +289,9 @@ class HybridMuon(Optimizer):
         and checked (on every rank) before any is applied.
 
         Distributed, an error raised on one rank only (out of memory, a bug) reaches every rank:
-        the ranks waiting for this one raise :class:`~muonkit.distributed.failure.RankFailedError`
+        the ranks waiting for this one raise :class:`~muonkit.distributed.collectives.RankFailedError`
         within about a second, and the process group is left out of step: restart from the last
-        checkpoint (:mod:`muonkit.distributed.failure`).
+        checkpoint (:mod:`muonkit.distributed.collectives`).
         """
         self._step_wrote = False
         try:

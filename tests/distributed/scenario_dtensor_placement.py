@@ -30,9 +30,9 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.distributed.tensor.placement_types import _StridedShard
 
 import muonkit
+from muonkit.distributed.base import local_part
 from muonkit.distributed.dtensor import DTensorStrategy
 from muonkit.distributed.dtensor_placement import mesh_group, rank_boxes, tensor_jobs
-from muonkit.distributed.pieces import local_part
 from muonkit.functional.matrices import MatrixLayout
 
 SHAPES = [(0, 5), (1, 1), (3, 2), (5, 7), (10, 6), (13, 9), (3, 5, 4)]

@@ -3,7 +3,7 @@
 The last rank raises (an injected ``RuntimeError`` standing for an out-of-memory error or a bug)
 at one point of a step: before the agreement, before the exchanges, in Newton-Schulz, after the
 exchanges, or after the step's last collective. Every other rank must raise
-:class:`~muonkit.distributed.failure.RankFailedError` naming it within ``BOUND`` seconds of
+:class:`~muonkit.distributed.collectives.RankFailedError` naming it within ``BOUND`` seconds of
 entering ``step()``, say truthfully whether the step had changed its params or states, and
 every rank must refuse the next step. Where every rank raises alike (the same error before the
 first collective, a non-finite verdict with ``nonfinite="raise"``), the group stays in step and
@@ -34,7 +34,7 @@ from torch import Tensor, nn
 
 import muonkit
 from muonkit.distributed import collectives
-from muonkit.distributed.failure import RankFailedError
+from muonkit.distributed.collectives import RankFailedError
 
 GROUP_TIMEOUT = datetime.timedelta(seconds=10)
 BOUND = 5.0  # seconds from entering step() to raising, on every rank (measured: 11-46 ms)

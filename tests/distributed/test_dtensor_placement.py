@@ -19,8 +19,9 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from muonkit.distributed.base import local_part
 from muonkit.distributed.dtensor_placement import check_placements, dim_runs, mesh_boxes, rank_boxes, tensor_jobs
-from muonkit.distributed.pieces import At, Box, Expert, local_part
+from muonkit.distributed.pieces import At, Box, Expert
 from muonkit.functional.matrices import MatrixLayout
 
 MESHES = [(4,), (2, 2), (3, 2), (2, 2, 2)]

@@ -1,4 +1,4 @@
-"""Single-process tests of the failure protocol (:mod:`muonkit.distributed.failure`), no ranks launched.
+"""Single-process tests of the failure protocol (:mod:`muonkit.distributed.collectives`), no ranks launched.
 
 Two ranks are simulated by two channels on one store (a HashStore), their collectives by works
 that complete when told. The launched checks are in ``scenario_failure.py``.
@@ -17,8 +17,7 @@ import torch
 import torch.distributed as dist
 
 from muonkit.distributed.base import StrategyStats
-from muonkit.distributed.collectives import Collectives
-from muonkit.distributed.failure import FailureChannel, RankFailedError, every_rank
+from muonkit.distributed.collectives import Collectives, FailureChannel, RankFailedError, every_rank
 
 _NAMES = itertools.count()
 

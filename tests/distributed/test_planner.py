@@ -12,7 +12,8 @@ import torch
 from common import dim0_sizes
 
 from muonkit.config import MuonConfig, group_config
-from muonkit.distributed.pieces import At, Box, Expert, Job, Piece, Span, local_part
+from muonkit.distributed.base import local_part
+from muonkit.distributed.pieces import At, Box, Expert, Job, Piece, Span
 from muonkit.distributed.planner import choose_owners, choose_sources, job_cost, make_plan, scale_of
 from muonkit.distributed.replicated import whole_jobs
 from muonkit.distributed.zero import partition_jobs

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from muonkit.distributed.base import Strategy, StrategyStats
-from muonkit.distributed.failure import RankFailedError
+from muonkit.distributed.collectives import RankFailedError
 from muonkit.distributed.replicated import ReplicatedStrategy
 from muonkit.distributed.single import SingleDeviceStrategy
 from muonkit.distributed.split_plan import SplitPolicy

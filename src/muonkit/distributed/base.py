@@ -6,7 +6,8 @@ wherever they are, has each one orthogonalized exactly once across all ranks, an
 rank back the direction for its own local slice. Strategies are the only place that issues
 collectives.
 
-Also here: :class:`Compute`, the math a strategy runs on this rank, counted in its
+Also here: how a rank reads the pieces it holds (:func:`local_part`, and :class:`Cuts`: many
+pieces of flat tensors as views, one ``split`` per tensor), :class:`Compute`, the math a strategy runs on this rank, counted in its
 :class:`StrategyStats` (an attribute, ``strategy.compute``, so the simulator replaces it to time
 the work that stands in for it), and :func:`full_shape`, the shape of a whole parameter wherever
 its data lives (a ZeRO-3 placeholder keeps it in ``ds_shape``; a parameter FSDP1 flattened has
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import functools
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +27,7 @@ from torch import Tensor
 
 from muonkit.config import MuonConfig
 from muonkit.distributed.guard import Guard
-from muonkit.distributed.pieces import Box, Region
+from muonkit.distributed.pieces import Box, Expert, Piece, Region
 from muonkit.functional.matrices import MatrixLayout
 from muonkit.functional.muon import NSOptions, rule_directions
 from muonkit.functional.orthogonalize import default_compute_dtype, orthogonalization_flops
@@ -119,6 +120,96 @@ class Compute:
     ) -> tuple[Tensor, list[Tensor]]:
         """The group's rule after the iteration on one shard (:meth:`UpdateRule.after_shard`)."""
         return config.rule.after_shard(o, olds, rows_cut=rows_cut, cols=cols, reduce=reduce, settings=config)
+
+
+def local_part(local: Tensor, piece: Piece) -> Tensor:
+    """The view of ``local`` (a rank's local tensor) holding ``piece``'s region in storage order.
+
+    Its ``reshape(-1)`` is what ``piece.region.read(whole)`` returns on the owner.
+    """
+    where = piece.where
+    if where is None:
+        return local
+    if isinstance(where, Expert):
+        return local.reshape(-1, *local.shape[-2:])[where.index]
+    return local.reshape(-1).narrow(0, where.offset, piece.region.numel)
+
+
+@dataclass(frozen=True)
+class Cuts:
+    """Where a list of pieces lies in some flat tensors: each piece one or a few contiguous ranges.
+
+    Pieces of a rank's local tensors (the whole local tensor, expert ``k`` of a stack, a range at
+    ``At``: one range each) or of an owner's results (row blocks: one range; the strided row sets
+    of FSDP2 over tensor parallel: one per run). A step gets all their views with one ``split`` per
+    tensor (gaps between the ranges are split off and left), or none where a piece is the whole
+    tensor.
+
+    >>> cuts = Cuts.of([(0, ((0, 6),)), (1, ((5, 8),)), (1, ((0, 2), (3, 4)))])
+    >>> [v.tolist() for v in cuts.pieces([torch.arange(6.0), torch.arange(8.0)])]
+    [[0.0, 1.0, 2.0, 3.0, 4.0, 5.0], [5.0, 6.0, 7.0], [0.0, 1.0, 3.0]]
+    """
+
+    tensors: tuple[Hashable, ...]
+    """The tensors the pieces lie in (indices or keys of what :meth:`views` is given)."""
+    sizes: tuple[tuple[int, ...], ...]
+    """Per tensor: the sizes its flat view is split into (its ranges and the gaps between them),
+    up to the end of its last range."""
+    slots: tuple[tuple[int, int], ...]
+    """Per range, pieces in order: (position in :attr:`tensors`, index of its part in that tensor's split)."""
+    counts: tuple[int, ...]
+    """Ranges per piece."""
+
+    @staticmethod
+    def of(pieces: Sequence[tuple[Hashable, Sequence[tuple[int, int]]]]) -> Cuts:
+        """From ``(tensor, ranges)`` per piece; the ranges of one tensor must not overlap."""
+        by_tensor: dict[Hashable, set[tuple[int, int]]] = {}
+        for t, ranges in pieces:
+            by_tensor.setdefault(t, set()).update(ranges)
+        tensors = tuple(by_tensor)
+        sizes, index = [], {}
+        for t in tensors:
+            cut: list[int] = []
+            end = 0
+            for a, b in sorted(by_tensor[t]):
+                if a < end:
+                    raise ValueError(f"overlapping ranges of tensor {t!r}: {sorted(by_tensor[t])}")
+                if a > end:
+                    cut.append(a - end)  # a gap: split off, not used
+                index[(t, (a, b))] = len(cut)
+                cut.append(b - a)
+                end = b
+            sizes.append(tuple(cut))
+        position = {t: i for i, t in enumerate(tensors)}
+        slots = tuple((position[t], index[(t, span)]) for t, ranges in pieces for span in ranges)
+        return Cuts(tensors, tuple(sizes), slots, tuple(len(ranges) for _, ranges in pieces))
+
+    def views(self, tensors: Any) -> list[Tensor] | None:
+        """The flat view of each range in ``tensors`` (``tensors[t]``), pieces in order; None when one
+        of them is not contiguous (its storage order is not its flat order: read it piece by piece)."""
+        parts: list[Sequence[Tensor]] = []
+        for t, sizes in zip(self.tensors, self.sizes, strict=True):
+            tensor = tensors[t]
+            if not tensor.is_contiguous():
+                return None
+            flat = tensor.view(-1)
+            rest = flat.numel() - sum(sizes)
+            if len(sizes) == 1 and not rest:
+                parts.append((flat,))
+            else:
+                parts.append(torch.split(flat, [*sizes, rest] if rest else list(sizes)))
+        return [parts[i][k] for i, k in self.slots]
+
+    def pieces(self, tensors: Any) -> list[Tensor] | None:
+        """Each piece's data, flat: a view, or its ranges concatenated (see :meth:`views`)."""
+        views = self.views(tensors)
+        if views is None or len(views) == len(self.counts):
+            return views
+        out, k = [], 0
+        for n in self.counts:
+            out.append(views[k] if n == 1 else torch.cat(views[k : k + n]))
+            k += n
+        return out
 
 
 @dataclass(frozen=True)

@@ -38,12 +38,12 @@ import torch
 from torch import Tensor
 
 from muonkit.config import MuonConfig
-from muonkit.distributed.base import Strategy, StrategyStats
+from muonkit.distributed.base import Cuts, Strategy, StrategyStats, local_part
 from muonkit.distributed.collectives import Collectives, Pending, group_of
 from muonkit.distributed.guard import CollectiveGuard
-from muonkit.distributed.pieces import Box, Job, Piece, Region, Span, local_part
+from muonkit.distributed.pieces import Box, Job, Piece, Region, Span
 from muonkit.distributed.planner import Plan, job_cost, make_plan, wire_dtype
-from muonkit.distributed.schedule import Cuts, Exchange, Grid, GroupSchedule, rank_schedule
+from muonkit.distributed.schedule import Exchange, Grid, GroupSchedule, rank_schedule
 from muonkit.distributed.split_plan import SplitCost, SplitPolicy
 from muonkit.distributed.split_run import SplitRun
 from muonkit.distributed.split_schedule import schedule as split_schedule

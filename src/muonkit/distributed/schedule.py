@@ -31,7 +31,8 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from muonkit.distributed.pieces import Box, Cuts, Expert, Job, Piece, Pieces, Region, Span
+from muonkit.distributed.base import Cuts
+from muonkit.distributed.pieces import Box, Expert, Job, Piece, Pieces, Region, Span
 from muonkit.distributed.planner import Plan
 
 __all__ = ["Assembly", "Exchange", "Grid", "GroupSchedule", "flat_ranges", "local_range", "rank_schedule"]
@@ -254,7 +255,7 @@ def _result_cuts(plan: Plan, pieces: Sequence[tuple[int, Piece]]) -> tuple[Cuts 
 
 
 def local_range(piece: Piece) -> tuple[int, int]:
-    """Where ``piece`` lies in its holder's local tensor, flattened (see :func:`~muonkit.distributed.pieces.local_part`)."""
+    """Where ``piece`` lies in its holder's local tensor, flattened (see :func:`~muonkit.distributed.base.local_part`)."""
     n = piece.region.numel
     where = piece.where
     if where is None:

@@ -36,11 +36,10 @@ import torch
 from torch import Tensor
 
 from muonkit.config import MuonConfig
-from muonkit.distributed.base import Compute
+from muonkit.distributed.base import Compute, Cuts, local_part
 from muonkit.distributed.collectives import Collectives, Pending
-from muonkit.distributed.pieces import Job, Piece, Region, Span, local_part
+from muonkit.distributed.pieces import Job, Piece, Region, Span
 from muonkit.distributed.planner import Plan, wire_dtype
-from muonkit.distributed.schedule import Cuts
 from muonkit.distributed.split_plan import Split
 from muonkit.distributed.split_schedule import Member, Part, SplitSchedule, shifted, slice_of, within
 from muonkit.functional.sharded import p_rows, shard_flops

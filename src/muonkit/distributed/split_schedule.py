@@ -6,7 +6,7 @@ its pieces it sends to members, the parts of results it receives), computed once
 kept in the plan's memo by the executor; :class:`~muonkit.distributed.split_run.SplitRun` runs it.
 
 Where the parts are a few flat ranges of the tensors they lie in (whole rows, one row's columns),
-the schedule also holds them as :class:`~muonkit.distributed.schedule.Cuts` (:class:`FlatForms`):
+the schedule also holds them as :class:`~muonkit.distributed.base.Cuts` (:class:`FlatForms`):
 a step then gets a stage's views with one ``split`` per tensor instead of a few view ops per part.
 """
 
@@ -16,9 +16,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
+from muonkit.distributed.base import Cuts
 from muonkit.distributed.pieces import Box, Job, Piece, Region, Span
 from muonkit.distributed.planner import Plan
-from muonkit.distributed.schedule import Cuts, local_range
+from muonkit.distributed.schedule import local_range
 from muonkit.distributed.split_plan import Split, clip
 
 __all__ = ["FlatForms", "Member", "Part", "Ranges", "SplitSchedule", "schedule", "shifted", "slice_of", "within"]

@@ -13,7 +13,7 @@ point                         what the guard does there
                               :func:`muonkit.stages.commit_muon`): apply it, or the device mask
 ``outcome(opt, verdict)``     the streamed verdict's one read; whether AdamW goes on
 ``end()``                     the late checks of a step without a verdict; closes the step
-``step_failed(error, ...)``   tells the other ranks (:mod:`muonkit.distributed.failure`)
+``step_failed(error, ...)``   tells the other ranks (:mod:`muonkit.distributed.collectives`)
 ============================  ===================================================================
 
 :class:`Guard` (:mod:`.local`) is one device's (nothing to agree on, nothing to tell) and holds

@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 
 from muonkit.config import AdamWConfig, MuonConfig
-from muonkit.distributed.failure import every_rank
+from muonkit.distributed.collectives import every_rank
 from muonkit.functional.orthogonalize import host_read_waits
 from muonkit.limits import gradient_limit, param_limit, work_dtype
 
@@ -281,7 +281,7 @@ class Guard:
 
         Communicating guards tell the other ranks (they would wait for this one until the process
         group's timeout) and stop stepping where the group is left out of step
-        (:mod:`muonkit.distributed.failure`). Default: nothing.
+        (:mod:`muonkit.distributed.collectives`). Default: nothing.
         """
         del error, applied
 

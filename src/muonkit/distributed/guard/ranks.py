@@ -10,7 +10,7 @@ the TP fingerprints of :class:`MeshGuard`) ride with the step's non-finite verdi
 checked one step late from a host copy that waited for nothing (:meth:`CollectiveGuard.end`).
 
 A rank that raises inside a step tells the others through the collectives' failure channel
-(:meth:`CollectiveGuard.step_failed`, :mod:`muonkit.distributed.failure`). Every collective goes
+(:meth:`CollectiveGuard.step_failed`, :mod:`muonkit.distributed.collectives`). Every collective goes
 through :class:`~muonkit.distributed.collectives.Collectives`, counted.
 
 Ranks that step different params hang a collective or mix unrelated tensors in it; ranks with
@@ -56,8 +56,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from muonkit.config import AdamWConfig, MuonConfig
-from muonkit.distributed.collectives import flag_device, reduce_device
-from muonkit.distributed.failure import every_rank
+from muonkit.distributed.collectives import every_rank, flag_device, reduce_device
 from muonkit.distributed.guard.local import Guard
 
 if TYPE_CHECKING:
@@ -171,7 +170,7 @@ class CollectiveGuard(Guard):
         self.comm.channel.end()
 
     def step_failed(self, error: BaseException, *, applied: bool) -> None:
-        """``step()`` raised ``error`` on this rank (see :meth:`~muonkit.distributed.failure.FailureChannel.failed`)."""
+        """``step()`` raised ``error`` on this rank (see :meth:`~muonkit.distributed.collectives.FailureChannel.failed`)."""
         self.comm.channel.failed(error, applied=applied)
 
     def host_tensors(self) -> list[Tensor]:
