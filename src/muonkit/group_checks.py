@@ -46,18 +46,27 @@ class GroupConfigs:
     """
 
     def __init__(self) -> None:
-        self._kept: list[tuple[tuple[Any, ...], MuonConfig | AdamWConfig] | None] = []
+        self._kept: dict[tuple[Any, ...], MuonConfig | AdamWConfig] = {}
 
     def __call__(self, group: Mapping[str, Any], index: int) -> MuonConfig | AdamWConfig:
-        """``group_config(group, index)``, from the snapshot of ``group``'s values if they did not change."""
-        kept = self._kept
+        """``group_config(group, index)``, from the snapshot of ``group``'s values if they were validated before.
+
+        Kept by the values alone (a config is a function of them), not by the group's index:
+        DeepSpeed ZeRO-1/2 steps one group at a time, each as ``param_groups[0]``.
+        """
         values = snapshot(group)
-        if index < len(kept) and (entry := kept[index]) is not None and entry[0] == values:
-            return entry[1]
-        config = group_config(group, index)
-        kept.extend([None] * (index + 1 - len(kept)))
-        kept[index] = None if values is None else (values, config)
+        config = None if values is None else self._kept.get(values)
+        if config is None:
+            config = group_config(group, index)
+            if values is not None:
+                if len(self._kept) >= _KEPT:  # an lr scheduler makes new values every step
+                    self._kept.clear()
+                self._kept[values] = config
         return config
+
+
+_KEPT = 256
+"""Snapshots :class:`GroupConfigs` keeps before it starts afresh."""
 
 
 _ATOMS = frozenset({int, bool, str, type(None), torch.dtype})

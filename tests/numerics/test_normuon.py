@@ -17,8 +17,9 @@ from torch import Tensor, nn
 
 import muonkit
 from muonkit.config import DEFAULTS
-from muonkit.functional import lr_scale, normuon_normalize, orthogonalize
+from muonkit.functional import lr_scale, orthogonalize
 from muonkit.functional.matrices import MatrixLayout
+from muonkit.functional.normuon import normuon_normalize
 
 F64 = torch.float64
 TOL = 1e-12

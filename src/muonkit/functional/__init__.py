@@ -14,7 +14,6 @@ from muonkit.functional.muon import (
     muon_update,
     rule_directions,
 )
-from muonkit.functional.normuon import normuon_directions, normuon_normalize, normuon_rows
 from muonkit.functional.orthogonalize import default_compute_dtype, orthogonalization_flops, orthogonalize
 
 __all__ = [
@@ -33,9 +32,6 @@ __all__ = [
     "muon_directions",
     "muon_momentum_",
     "muon_update",
-    "normuon_directions",
-    "normuon_normalize",
-    "normuon_rows",
     "orthogonalization_flops",
     "orthogonalize",
     "resolve_preset",
