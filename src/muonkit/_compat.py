@@ -1,0 +1,73 @@
+"""Which torch each feature needs, in one place: ``requires_torch(feature, version)`` raises
+:class:`TorchVersionError` ("X needs torch >= Y") where a feature is chosen, instead of an
+``AttributeError`` deep inside a step.
+
+The declared floor (``pyproject.toml``: ``torch>=2.4``) holds for one device and DDP. DTensor
+parameters (FSDP2, HSDP, tensor, expert and pipeline meshes) need the public
+``torch.distributed.tensor`` API (``DTensor``, ``Shard``, ``_StridedShard``) and
+``torch.distributed.fsdp.fully_shard``, public from torch 2.6; on torch 2.4 DTensors live in
+``torch.distributed._tensor`` and the step failed with ``module 'torch.distributed.tensor' has no
+attribute 'DTensor'``. ``make compat TORCH=X`` runs the core checks on another torch
+(``tools/compat.sh``; results in docs/versions.md).
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Iterable
+from typing import TypeVar
+
+import torch
+
+T = TypeVar("T")
+
+DTENSOR_FEATURE = "DTensor parameters (FSDP2, HSDP, tensor, expert and pipeline parallel meshes)"
+DTENSOR_TORCH = "2.6"
+"""The first torch whose public ``torch.distributed.tensor`` and ``torch.distributed.fsdp.fully_shard``
+muonkit uses."""
+
+
+class TorchVersionError(RuntimeError):
+    """A feature was asked of a torch older than the one it needs."""
+
+
+def version_tuple(version: str) -> tuple[int, ...]:
+    """``"2.4.1+cpu"`` -> ``(2, 4, 1)``; pre-release and local parts are dropped."""
+    return tuple(int(part) for part in re.findall(r"\d+", version.split("+")[0])[:3])
+
+
+def torch_at_least(version: str) -> bool:
+    """Whether the running torch is ``version`` or newer."""
+    return version_tuple(torch.__version__) >= version_tuple(version)
+
+
+def requires_torch(feature: str, version: str) -> None:
+    """Raise :class:`TorchVersionError` naming ``feature`` when torch is older than ``version``."""
+    if not torch_at_least(version):
+        raise TorchVersionError(
+            f"{feature} needs torch >= {version} (this is torch {torch.__version__}); "
+            "one device and DDP work from torch 2.4"
+        )
+
+
+def requires_torch_for_params(params: Iterable[object]) -> None:
+    """Refuse DTensor parameters on a torch too old for muonkit's DTensor path (any torch DTensor class)."""
+    dtensor_params(params)
+
+
+def dtensor_params(params: Iterable[T]) -> list[T]:
+    """The DTensors among ``params`` (none where ``torch.distributed.tensor`` was never imported: no
+    DTensor can exist); on a torch older than :data:`DTENSOR_TORCH`, DTensors of its private
+    ``torch.distributed._tensor`` raise :class:`TorchVersionError` instead."""
+    if torch_at_least(DTENSOR_TORCH):
+        cls = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+        return [] if cls is None else [p for p in params if isinstance(p, cls)]
+    classes = tuple(
+        cls
+        for name in ("torch.distributed.tensor", "torch.distributed._tensor", "torch.distributed._tensor.api")
+        if (cls := getattr(sys.modules.get(name), "DTensor", None)) is not None
+    )
+    if classes and any(isinstance(p, classes) for p in params):
+        requires_torch(DTENSOR_FEATURE, DTENSOR_TORCH)
+    return []
