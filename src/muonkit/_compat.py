@@ -3,12 +3,12 @@
 ``AttributeError`` deep inside a step.
 
 The declared floor (``pyproject.toml``: ``torch>=2.4``) holds for one device and DDP. DTensor
-parameters (FSDP2, HSDP, tensor, expert and pipeline meshes) need the public
-``torch.distributed.tensor`` API (``DTensor``, ``Shard``, ``_StridedShard``) and
-``torch.distributed.fsdp.fully_shard``, public from torch 2.6; on torch 2.4 DTensors live in
-``torch.distributed._tensor`` and the step failed with ``module 'torch.distributed.tensor' has no
-attribute 'DTensor'``. ``make compat TORCH=X`` runs the core checks on another torch
-(``tools/compat.sh``; results in docs/versions.md).
+parameters (FSDP2, HSDP, tensor, expert and pipeline meshes) and DCP checkpoints need a newer
+torch: on torch 2.4 DTensors live in ``torch.distributed._tensor`` (the step failed with
+``module 'torch.distributed.tensor' has no attribute 'DTensor'``) and ``load_checkpoint`` failed
+reading DCP's metadata. Each floor is the oldest torch the feature ran on here; ``make compat
+TORCH=X`` runs the core checks on another torch (``tools/compat.sh``; results in
+docs/versions.md).
 """
 
 from __future__ import annotations
@@ -23,9 +23,15 @@ import torch
 T = TypeVar("T")
 
 DTENSOR_FEATURE = "DTensor parameters (FSDP2, HSDP, tensor, expert and pipeline parallel meshes)"
-DTENSOR_TORCH = "2.6"
-"""The first torch whose public ``torch.distributed.tensor`` and ``torch.distributed.fsdp.fully_shard``
-muonkit uses."""
+DTENSOR_TORCH = "2.8"
+"""The oldest torch muonkit's DTensor path ran on here (``make compat``); 2.6 is the first with the
+public ``torch.distributed.tensor`` and ``torch.distributed.fsdp.fully_shard`` it uses, but 2.6 and
+2.7 were not run."""
+
+CHECKPOINT_FEATURE = "muonkit.distributed.checkpoint (save_checkpoint, load_checkpoint)"
+CHECKPOINT_TORCH = "2.8"
+"""The oldest torch the DCP checkpoints ran on here; on 2.4 the load failed reading DCP's metadata
+(``_StorageInfo.transform_descriptors`` is newer)."""
 
 
 class TorchVersionError(RuntimeError):
