@@ -16,17 +16,24 @@ from __future__ import annotations
 import re
 import sys
 from collections.abc import Iterable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
 T = TypeVar("T")
 
-DTENSOR_FEATURE = "DTensor parameters (FSDP2, HSDP, tensor, expert and pipeline parallel meshes)"
+DTENSOR_FEATURE = "HybridMuon on DTensor parameters (FSDP2, HSDP, tensor, expert and pipeline parallel meshes)"
 DTENSOR_TORCH = "2.8"
 """The oldest torch muonkit's DTensor path ran on here (``make compat``); 2.6 is the first with the
 public ``torch.distributed.tensor`` and ``torch.distributed.fsdp.fully_shard`` it uses, but 2.6 and
 2.7 were not run."""
+
+SUBMESH_FEATURE = (
+    "HybridMuon on DTensors of several sub-meshes of one root mesh (FSDP2 + TP, HSDP + TP, EP, pipeline stages)"
+)
+SUBMESH_TORCH = "2.13"
+"""The oldest torch the N-D mesh suite ran on here; on 2.8.0 ``DeviceMesh._get_root_mesh``, which
+reads the root of a sub-mesh, does not exist yet (2.9-2.12 not run: checked by that method)."""
 
 CHECKPOINT_FEATURE = "muonkit.distributed.checkpoint (save_checkpoint, load_checkpoint)"
 CHECKPOINT_TORCH = "2.8"
@@ -77,3 +84,11 @@ def dtensor_params(params: Iterable[T]) -> list[T]:
     if classes and any(isinstance(p, classes) for p in params):
         requires_torch(DTENSOR_FEATURE, DTENSOR_TORCH)
     return []
+
+
+def requires_torch_for_meshes(meshes: Iterable[Any]) -> None:
+    """Refuse params on several sub-meshes (different ranks) where this torch cannot name their root mesh."""
+    meshes = list(meshes)
+    spans = {frozenset(m.mesh.reshape(-1).tolist()) for m in meshes}
+    if len(spans) > 1 and not all(hasattr(m, "_get_root_mesh") for m in meshes):
+        requires_torch(SUBMESH_FEATURE, SUBMESH_TORCH)

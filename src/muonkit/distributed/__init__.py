@@ -11,7 +11,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import Tensor
 
-from muonkit._compat import dtensor_params
+from muonkit._compat import dtensor_params, requires_torch_for_meshes
 from muonkit.distributed.base import Strategy, StrategyStats
 from muonkit.distributed.failure import RankFailedError
 from muonkit.distributed.replicated import ReplicatedStrategy
@@ -92,6 +92,7 @@ def _dtensor_strategy(params: list[Tensor], dtensors: list[Any], process_group: 
             "or give the plain tensors to a separate optimizer"
         )
     meshes = list(dict.fromkeys(p.device_mesh for p in dtensors))
+    requires_torch_for_meshes(meshes)
     group = None if process_group is None else group_of(process_group)
     return DTensorStrategy(meshes, process_group=group, replicated=plain)
 
