@@ -1,4 +1,4 @@
-"""The README's tables, generated from the one place each is kept: ``python -m muonkit._doc_tables``.
+"""The docs' generated tables, from the one place each is kept: ``python -m muonkit._doc_tables``.
 
 - ``hybrid-muon-defaults``: :class:`muonkit.HybridMuon`'s keywords, from the fields of
   :class:`muonkit.defaults.Defaults` (default, ``why``), the group key each sets derived from
@@ -7,9 +7,10 @@
   :class:`muonkit.integrations.deepspeed_config.MuonkitOptions` (default, ``what``);
 - ``routing-rules``: :data:`muonkit.routing.BUILT_IN_RULES`.
 
-Each table sits in the README between ``<!-- generated: NAME ... -->`` and ``<!-- end: NAME -->``;
-``python -m muonkit._doc_tables`` rewrites them in place, ``--check`` only says whether they are
-stale (``tests/contract/test_defaults.py`` fails on a stale README).
+Each table sits in one page of the docs site (:data:`PAGES`) between
+``<!-- generated: NAME ... -->`` and ``<!-- end: NAME -->``; ``python -m muonkit._doc_tables``
+rewrites them in place, ``--check`` only says whether they are stale
+(``tests/contract/test_defaults.py`` fails on a stale page, and ``make docs-check`` builds them).
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ from muonkit.defaults import DEFAULTS, Defaults
 from muonkit.integrations.deepspeed_config import MuonkitOptions
 from muonkit.routing import BUILT_IN_RULES
 
-README = Path(__file__).resolve().parents[2] / "README.md"
-"""The README of a clone (``src/muonkit/..``); pass another path on the command line."""
+ROOT = Path(__file__).resolve().parents[2]
+"""The root of a clone (``src/muonkit/..``)."""
 
 
 def hybrid_muon_defaults() -> str:
@@ -37,7 +38,7 @@ def hybrid_muon_defaults() -> str:
     for f in fields(Defaults):
         shown = f"`{python(getattr(DEFAULTS, f.name))}`" + (f" {f.metadata['shown']}" if f.metadata["shown"] else "")
         rows.append([f"`{f.name}`", shown, group_key(f.name), f.metadata["why"]])
-    rows.append(["`process_group`, `strategy`", "`None`", "— (optimizer)", "distributed runs (section below)"])
+    rows.append(["`process_group`, `strategy`", "`None`", "— (optimizer)", "distributed runs (the stack pages)"])
     return _markdown(rows)
 
 
@@ -64,6 +65,13 @@ TABLES: dict[str, Callable[[], str]] = {
     "routing-rules": routing_rules,
 }
 
+PAGES: dict[str, Path] = {
+    "hybrid-muon-defaults": ROOT / "docs" / "optimizer.md",
+    "deepspeed-keys": ROOT / "docs" / "stacks" / "deepspeed.md",
+    "routing-rules": ROOT / "docs" / "routing.md",
+}
+"""The one page each table lives on."""
+
 
 def group_key(keyword: str) -> str:
     """The group key ``keyword`` is the default of, and the algorithms whose groups read it."""
@@ -77,15 +85,26 @@ def group_key(keyword: str) -> str:
     return f"`{keyword}` ({', '.join(readers)})"
 
 
-def render(text: str) -> str:
-    """``text`` with every generated table rewritten; a missing marker raises ``ValueError``."""
-    for name, table in TABLES.items():
-        start, end = f"<!-- generated: {name} (python -m muonkit._doc_tables) -->\n", f"<!-- end: {name} -->"
+def markers(name: str) -> tuple[str, str]:
+    """The lines a table ``name`` sits between."""
+    return f"<!-- generated: {name} (python -m muonkit._doc_tables) -->\n", f"<!-- end: {name} -->"
+
+
+def tables_in(text: str) -> list[str]:
+    """The generated tables whose start marker ``text`` holds."""
+    return [name for name in TABLES if markers(name)[0] in text]
+
+
+def render(text: str, names: Sequence[str] | None = None) -> str:
+    """``text`` with the tables ``names`` (default: every table it holds) rewritten; a table without
+    exactly one pair of markers raises ``ValueError``."""
+    for name in tables_in(text) if names is None else names:
+        start, end = markers(name)
         if text.count(start) != 1 or text.count(end) != 1:
-            raise ValueError(f"The README needs exactly one {start.strip()!r} and one {end!r} around the table")
+            raise ValueError(f"The page needs exactly one {start.strip()!r} and one {end!r} around the table")
         before, rest = text.split(start)
         after = rest.split(end)[1]
-        text = f"{before}{start}{table()}{end}{after}"
+        text = f"{before}{start}{TABLES[name]()}{end}{after}"
     return text
 
 
@@ -127,19 +146,25 @@ def _markdown(rows: Sequence[Sequence[str]]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m muonkit._doc_tables", description=__doc__.splitlines()[0])
-    parser.add_argument("readme", nargs="?", type=Path, default=README)
+    parser.add_argument("pages", nargs="*", type=Path, help="pages to rewrite (default: each table's page, PAGES)")
     parser.add_argument("--check", action="store_true", help="exit 1 if a table is stale, change nothing")
     args = parser.parse_args(argv)
-    text = args.readme.read_text()
-    fresh = render(text)
-    if fresh == text:
-        return 0
-    if args.check:
-        print(f"{args.readme}: generated tables are stale; run python -m muonkit._doc_tables", file=sys.stderr)
-        return 1
-    args.readme.write_text(fresh)
-    print(f"{args.readme}: tables rewritten")
-    return 0
+    jobs: list[tuple[Path, list[str] | None]] = (
+        [(page, None) for page in args.pages] if args.pages else [(page, [name]) for name, page in PAGES.items()]
+    )
+    stale = False
+    for page, names in jobs:
+        text = page.read_text()
+        fresh = render(text, names)
+        if fresh == text:
+            continue
+        if args.check:
+            print(f"{page}: generated tables are stale; run python -m muonkit._doc_tables", file=sys.stderr)
+            stale = True
+            continue
+        page.write_text(fresh)
+        print(f"{page}: tables rewritten")
+    return int(stale)
 
 
 if __name__ == "__main__":

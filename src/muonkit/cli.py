@@ -17,11 +17,15 @@ from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
+from muonkit import __version__
 from muonkit.integrations import deepspeed_convert
 from muonkit.simulator import command
 
 BENCH_SUITE = "muonkit_bench.cli"
-INSTALL_BENCH = "pip install 'muonkit[bench]' (from a clone of the repository: make setup)"
+INSTALL_BENCH = (
+    "muonkit-bench is not on PyPI yet: in a clone of the repository, make setup or pip install -e ./bench; "
+    "from the wheels make dist builds, pip install --find-links dist 'muonkit[bench]'"
+)
 
 
 def _bench_suite() -> ModuleType | None:
@@ -41,6 +45,7 @@ def _bench_missing(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="muonkit", description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--version", action="version", version=f"muonkit {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     inspect = commands.add_parser("inspect", help="show where each tensor of a model goes (Muon or AdamW) and why")
     inspect.add_argument(
@@ -99,9 +104,21 @@ def _configure_logging(verbose: bool) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _configure_logging(args.verbose)
-    if args.command == "inspect":
-        return _inspect(args)
-    return int(args.run(args) or 0)
+    try:
+        if args.command == "inspect":
+            return _inspect(args)
+        return int(args.run(args) or 0)
+    except ImportError as e:  # an optional dependency (transformers for a config.json): one line, no traceback
+        if not _missing_dependency(e):
+            raise
+        raise SystemExit(f"muonkit {args.command}: {e}") from None
+
+
+def _missing_dependency(e: ImportError) -> bool:
+    """Whether ``e`` says an optional package is not installed (it, or the error it was raised from, is a
+    ModuleNotFoundError for a module outside muonkit), rather than a broken import of muonkit's own."""
+    missing = e if isinstance(e, ModuleNotFoundError) else e.__cause__
+    return isinstance(missing, ModuleNotFoundError) and not (missing.name or "muonkit").startswith("muonkit")
 
 
 if __name__ == "__main__":

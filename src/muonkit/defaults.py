@@ -5,7 +5,7 @@ default is what it is (``why``). Everything else is derived from these fields: t
 signature is checked against them (``tests/contract/test_defaults.py``), the DeepSpeed config's keys
 (:class:`muonkit.integrations.deepspeed_config.MuonkitOptions`) and torchtitan's ``Config`` get a
 field per keyword (:func:`with_default_fields`), the Hugging Face ``make_optimizer`` passes them
-on, and the README's tables are generated from them (``python -m muonkit._doc_tables``).
+on, and the docs' tables are generated from them (``python -m muonkit._doc_tables``).
 Param groups never copy a default: a group key overrides the optimizer's default only where the
 caller set it.
 """
@@ -25,8 +25,8 @@ from muonkit.functional.rules import rule_keywords
 
 
 def _setting(default: Any, *, what: str, why: str = "", shown: str = "") -> Any:
-    """A :class:`Defaults` field: ``what`` it sets, ``why`` this default (the README's column), and
-    what the README ``shown`` after the default (``None`` means the preset's 5 steps...)."""
+    """A :class:`Defaults` field: ``what`` it sets, ``why`` this default (the docs' column), and
+    what the docs show (``shown``) after the default (``None`` means the preset's 5 steps...)."""
     return field(default=default, metadata={"what": what, "why": why, "shown": shown})
 
 
@@ -152,7 +152,7 @@ def _with_rule_keywords() -> type:
 
     :class:`muonkit.HybridMuon`'s keywords, the DeepSpeed config reader
     (:mod:`muonkit.integrations.deepspeed_config`), the Hugging Face ``make_optimizer``,
-    torchtitan's container and the README's table all take their values from :data:`DEFAULTS`;
+    torchtitan's container and the docs' table all take their values from :data:`DEFAULTS`;
     :class:`muonkit.Muon` from :data:`TORCH_MUON_DEFAULTS` (torch.optim.Muon's). The fields are
     :class:`_Settings`' and, after ``nonfinite``, each update rule's keywords
     (:class:`muonkit.functional.update_rule.Hyperparameter`).

@@ -27,6 +27,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from muonkit import capturable as rates_on_device
+from muonkit._compat import requires_torch_for_params
 from muonkit.config import (
     MATRIX_ALGORITHMS,
     OPTIMIZER_KEYWORDS,
@@ -192,6 +193,7 @@ class HybridMuon(Optimizer):
             "betas": betas, "cautious_wd": cautious_wd,
         }  # fmt: skip
         super().__init__(params, plain_hyperparameters(defaults))
+        requires_torch_for_params(p for g in self.param_groups for p in g["params"])
         self._strategy: Strategy | None = strategy
         self._process_group = process_group
         self._built_distributed = world_size() > 1  # for the hint when that changed before the first step

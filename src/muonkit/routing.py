@@ -3,7 +3,7 @@
 Muon is for the 2D hidden matrices of attention and MLP blocks (and conv filters, and each
 expert of a fused MoE tensor). Everything else goes to AdamW. The built-in rules are
 :data:`BUILT_IN_RULES`, checked in that order by :func:`route` (first match wins, after the
-user's ``rules``); the README's table of them is generated from it (``python -m muonkit._doc_tables``).
+user's ``rules``); the docs' table of them (docs/routing.md) is generated from it (``python -m muonkit._doc_tables``).
 Tied heads share the embedding's tensor and are caught by rule 1.
 
 PEFT LoRA factors (the ``nn.Linear`` weights of ``*.lora_A.*``, r x in, and ``*.lora_B.*``, out x r)
@@ -62,7 +62,7 @@ BUILT_IN_RULES: tuple[tuple[str, str, str], ...] = (
     ("anything else (raw `nn.Parameter`s, positional tables, RNN weights)", "adamw", ""),
 )
 """The built-in rules, in the order :func:`route` checks them: ``(tensor, algorithm, layout)``
-(Markdown: the README's "Routing rules" table is rendered from it)."""
+(Markdown: docs/routing.md's table of the built-in rules is rendered from it)."""
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ The strategy is chosen from the params the optimizer holds when it is first need
 ``step()`` or read of ``opt.strategy``), by :func:`muonkit.distributed.select_strategy`; an
 explicit ``strategy=`` is used as given. Before the choice, the optimizer reads params the way
 every automatic strategy does (:func:`placement_before_choice`). Only this module and the
-distributed package look at DTensors, and only through ``sys.modules``: where
+distributed package look at DTensors, and only through ``sys.modules`` (:func:`muonkit._compat.dtensor_params`): where
 ``torch.distributed.tensor`` was never imported, no DTensor can exist.
 """
 
@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from muonkit._compat import dtensor_params
 from muonkit.config import AdamWConfig, MuonConfig
 from muonkit.distributed import SingleDeviceStrategy, Strategy, select_strategy
 from muonkit.distributed.base import full_shape
@@ -53,14 +54,13 @@ def distributed_initialized() -> bool:
 
 def dtensors(params: Sequence[Tensor]) -> list[Tensor]:
     """The DTensors among ``params``."""
-    module = sys.modules.get("torch.distributed.tensor")  # not imported: no DTensor can exist
-    return [] if module is None else [p for p in params if isinstance(p, module.DTensor)]
+    return dtensor_params(params)
 
 
 def local_view(t: Tensor) -> Tensor:
     """The part of ``t`` this rank stores: a DTensor's local shard, any other tensor itself."""
-    module = sys.modules.get("torch.distributed.tensor")
-    return t.to_local() if module is not None and isinstance(t, module.DTensor) else t
+    cls = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    return t.to_local() if cls is not None and isinstance(t, cls) else t
 
 
 def choose_strategy(params: list[Tensor], *, process_group: Any, built_distributed: bool) -> Strategy:

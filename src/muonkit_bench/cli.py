@@ -26,7 +26,7 @@ BENCHES: dict[str, str] = {
     "gpu-check": "muonkit_bench.gpu_check",
 }
 
-INSTALL = "pip install 'muonkit[bench]' (from a clone of the repository: make setup)"
+INSTALL = "pip install -e ./bench in a clone of muonkit (or make setup)"
 
 
 def _missing(e: ModuleNotFoundError) -> str | None:

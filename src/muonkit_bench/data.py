@@ -226,7 +226,9 @@ def _train_bpe(texts: list[str], *, vocab_size: int) -> Any:
     try:
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     except ImportError as e:
-        raise ImportError("The benchmark corpus needs tokenizers: pip install 'muonkit[bench]'") from e
+        raise ImportError(
+            "The benchmark corpus needs tokenizers: pip install tokenizers (in a clone of muonkit: make setup)"
+        ) from e
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()

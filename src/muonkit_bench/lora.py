@@ -73,7 +73,9 @@ def _peft() -> Any:
     try:
         import peft
     except ImportError as e:
-        raise ImportError("muonkit bench lora needs peft: pip install 'muonkit[integrations]'") from e
+        raise ImportError(
+            "muonkit bench lora needs peft: pip install peft (in a clone of muonkit: pip install -e '.[integrations]')"
+        ) from e
     return peft
 
 

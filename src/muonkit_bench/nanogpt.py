@@ -3,7 +3,7 @@
 Builds (or loads from cache) the Shakespeare corpus, trains the same seeded GPT twice, once with
 ``torch.optim.AdamW`` and once with :class:`muonkit.HybridMuon`, on identical batches with the
 same schedule, then prints a table, and writes ``nanogpt.json`` and ``nanogpt.png`` to ``--out``.
-See the README section "The demo: make demo" for how to read them.
+See docs/benchmarks.md, "The demo: make demo", for how to read them.
 
     muonkit bench nanogpt                       # the demo preset (~10 min on 2 CPU cores)
     muonkit bench nanogpt --preset tiny         # seconds; what the CI smoke test runs

@@ -108,7 +108,9 @@ def deepspeed_muon(groups: Groups, *, ns_method: str, lr: float = 0.02, adamw_lr
     try:
         from deepspeed.runtime.zero.muon.original_muon import SingleDeviceMuonWithAuxAdam
     except ImportError as e:
-        raise ImportError("the DeepSpeed peer needs deepspeed: pip install 'muonkit[deepspeed]'") from e
+        raise ImportError(
+            "the DeepSpeed peer needs deepspeed: pip install deepspeed (in a clone of muonkit: pip install -e '.[deepspeed]')"
+        ) from e
     matrices = [p for g in groups if g["algorithm"] == "muon" for p in g["params"]]
     others = [p for g in groups if g["algorithm"] != "muon" for p in g["params"]]
     ds_groups: list[dict[str, Any]] = [

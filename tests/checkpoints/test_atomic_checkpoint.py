@@ -5,7 +5,7 @@ The kill test forks a writer that saves generation 1, 2, 3, ... (every param and
 with the generation number) into the same directory, kills it with SIGKILL part-way through a
 save, and loads what is there: every tensor must hold one and the same generation.
 ``python tests/checkpoints/test_atomic_checkpoint.py --trials 10`` prints how many trials left an unloadable
-or mixed checkpoint (the figures in the README).
+or mixed checkpoint (the figures in docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def _save(how: str, path: str, model: torch.nn.Module, opt: muonkit.HybridMuon) 
         save_checkpoint(path, model=model, optimizer=opt)
     elif how == "torch.save":  # what the issue did: overwrite the previous file in place
         torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, path)
-    else:  # the README's pattern for your own files: write aside, fsync, os.replace
+    else:  # the docs' pattern (docs/reliability.md) for your own files: write aside, fsync, os.replace
         atomic.replace_file(path, lambda f: torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, f))
 
 

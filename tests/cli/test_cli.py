@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -59,7 +60,10 @@ def test_bench_without_the_suite_says_how_to_install_it(monkeypatch: pytest.Monk
     for name in [m for m in sys.modules if m == "muonkit_bench" or m.startswith("muonkit_bench.")]:
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, "muonkit_bench", None)  # import muonkit_bench -> ModuleNotFoundError
-    with pytest.raises(SystemExit, match=r"not installed: pip install 'muonkit\[bench\]'"):
+    with pytest.raises(
+        SystemExit,
+        match=r"not installed: muonkit-bench is not on PyPI yet: .*pip install -e \./bench.*--find-links dist 'muonkit\[bench\]'",
+    ):
         main(["bench", "nanogpt", "--preset", "tiny"])
     with pytest.raises(SystemExit) as help_exit:
         main(["convert-deepspeed", "--help"])
@@ -114,3 +118,22 @@ def test_console_entry_point_lists_the_nanogpt_benchmark() -> None:
     )
     assert out.returncode == 0, out.stderr
     assert "--preset" in out.stdout and "--adamw-lr" in out.stdout
+
+
+def test_version_is_the_packages(capsys: pytest.CaptureFixture[str]) -> None:
+    import muonkit
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out == f"muonkit {muonkit.__version__}\n"
+
+
+def test_inspect_without_transformers_is_one_line() -> None:
+    """In a fresh process with transformers blocked: one line on stderr, exit 1, no traceback."""
+    src = str(Path(__file__).resolve().parents[2] / "src")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    code = "import sys; sys.modules['transformers'] = None; from muonkit.cli import main; sys.exit(main(['inspect']))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 1 and done.stdout == ""
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.startswith("muonkit inspect: muonkit's Hugging Face integration needs transformers: ")

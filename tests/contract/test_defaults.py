@@ -2,7 +2,7 @@
 
 Every place that states a default reads it from there or is checked against it here: the
 keywords of ``HybridMuon`` and ``Muon``, the DeepSpeed config reader, the Hugging Face
-``make_optimizer``, torchtitan's container, and the README's tables (generated from the code by
+``make_optimizer``, torchtitan's container, and the docs' tables (generated from the code by
 ``python -m muonkit._doc_tables``) and signatures. Every keyword reaches every consumer.
 """
 
@@ -27,7 +27,10 @@ from muonkit.config import DEFAULTS, GROUP_DEFAULT_KEYWORDS, OPTIMIZER_KEYWORDS,
 from muonkit.integrations.deepspeed_config import MuonkitOptions
 from muonkit.integrations.transformers import make_optimizer
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs"
+OPTIMIZER_PAGE = DOCS / "optimizer.md"  # HybridMuon's table, the Muon and orthogonalize headings
+ROUTING_PAGE = DOCS / "routing.md"  # the param_groups heading
+DEEPSPEED_PAGE = DOCS / "stacks" / "deepspeed.md"  # the DeepSpeed keys
 FIELDS = [f.name for f in dataclasses.fields(Defaults)]
 
 
@@ -60,8 +63,12 @@ def test_deepspeed_options_are_the_defaults() -> None:
 
 
 def test_deepspeed_table_states_the_defaults() -> None:
-    """The table of the config's keys (once, in the README; it was in deepspeed_config's docstring)."""
-    table = README.read_text().split("<!-- generated: deepspeed-keys", 1)[1].split("<!-- end: deepspeed-keys -->")[0]
+    """The table of the config's keys (once, in the DeepSpeed page; it was in deepspeed_config's docstring)."""
+    table = (
+        DEEPSPEED_PAGE.read_text()
+        .split("<!-- generated: deepspeed-keys", 1)[1]
+        .split("<!-- end: deepspeed-keys -->")[0]
+    )
     rows = dict(re.findall(r"^\| `(\w+)` \| (.+?) \|", table, flags=re.M))
     stated = {k: _json_literal(v) for k, v in rows.items() if k in FIELDS}
     assert len(stated) == 19
@@ -76,17 +83,17 @@ def test_make_optimizer_without_arguments_uses_the_defaults() -> None:
     assert (by_algorithm["adamw"]["lr"], tuple(by_algorithm["adamw"]["betas"])) == (DEFAULTS.adamw_lr, DEFAULTS.betas)
 
 
-# ---------------------------------------------------------------------------------------- README
+# ------------------------------------------------------------------------------------------ docs
 
 
-def readme_table(text: str, heading: str) -> dict[str, Any]:
+def page_table(text: str, heading: str) -> dict[str, Any]:
     """``{argument: default}`` of the ``| `name` | `default` | why |`` rows under ``heading``."""
     section = text.split(heading, 1)[1].split("\n### ", 1)[0]
     rows = re.findall(r"^\| `(\w+)` \| `([^`]*)`", section, flags=re.M)
     return {name: ast.literal_eval(value) for name, value in rows}
 
 
-def readme_signature(text: str, name: str) -> dict[str, Any]:
+def page_signature(text: str, name: str) -> dict[str, Any]:
     """The keyword defaults of the ``### `muonkit.NAME(...)` `` heading."""
     match = re.search(rf"^### `muonkit\.{name}\((.*)\)`$", text, flags=re.M)
     assert match, f"no heading for muonkit.{name}"
@@ -95,31 +102,31 @@ def readme_signature(text: str, name: str) -> dict[str, Any]:
     return {k.arg: ast.literal_eval(k.value) for k in call.keywords if k.arg}
 
 
-def test_readme_hybrid_muon_table_states_the_defaults() -> None:
-    table = readme_table(README.read_text(), "### `muonkit.HybridMuon(params, **defaults)`")
+def test_docs_hybrid_muon_table_states_the_defaults() -> None:
+    table = page_table(OPTIMIZER_PAGE.read_text(), "### `muonkit.HybridMuon(params, **defaults)`")
     assert table == dataclasses.asdict(DEFAULTS)
 
 
-def test_readme_muon_signature_states_torch_muons_defaults() -> None:
-    stated = readme_signature(README.read_text(), "Muon")
+def test_docs_muon_signature_states_torch_muons_defaults() -> None:
+    stated = page_signature(OPTIMIZER_PAGE.read_text(), "Muon")
     assert stated.pop("adjust_lr_fn") is None
     assert stated == {k: getattr(TORCH_MUON_DEFAULTS, k) for k in stated}
     assert stated == {k: v for k, v in _keyword_defaults(muonkit.Muon.__init__).items() if k in stated}
 
 
 def test_param_groups_heading_states_its_keywords() -> None:
-    assert readme_signature(README.read_text(), "param_groups") == _keyword_defaults(muonkit.param_groups)
+    assert page_signature(ROUTING_PAGE.read_text(), "param_groups") == _keyword_defaults(muonkit.param_groups)
 
 
-def test_the_readme_checks_fail_on_a_wrong_default() -> None:
+def test_the_docs_checks_fail_on_a_wrong_default() -> None:
     """The parsers above read what they claim to: a changed value in the text is caught."""
-    text = README.read_text()
+    text = OPTIMIZER_PAGE.read_text()
     heading = "### `muonkit.HybridMuon(params, **defaults)`"
     wrong = text.replace("| `momentum` | `0.95` |", "| `momentum` | `0.9` |", 1)
-    assert wrong != text and readme_table(wrong, heading)["momentum"] == 0.9
-    assert readme_table(wrong, heading) != dataclasses.asdict(DEFAULTS)
+    assert wrong != text and page_table(wrong, heading)["momentum"] == 0.9
+    assert page_table(wrong, heading) != dataclasses.asdict(DEFAULTS)
     with pytest.raises(AssertionError, match="no heading"):
-        readme_signature(text, "NoSuchThing")
+        page_signature(text, "NoSuchThing")
 
 
 def _json_literal(text: str) -> Any:
@@ -177,7 +184,7 @@ def _groups() -> list[dict[str, Any]]:
 @pytest.mark.parametrize("keyword", FIELDS)
 def test_every_keyword_reaches_every_consumer(keyword: str) -> None:
     """The constructor, a copy, the DeepSpeed config, make_optimizer, torchtitan's config and the
-    README's table all take the keyword, and it lands where the optimizer reads it."""
+    docs' table all take the keyword, and it lands where the optimizer reads it."""
     value = ALTERNATIVES[keyword]
     setting = {keyword: value} | ({"nonfinite": "unchecked"} if keyword == "capturable" else {})
     opt = muonkit.HybridMuon(_groups(), **setting)
@@ -202,14 +209,21 @@ def test_every_keyword_reaches_every_consumer(keyword: str) -> None:
             config = torchtitan.HybridMuonContainer.Config(**setting)
             assert torchtitan._keywords(config)[keyword] == value
 
-    assert keyword in readme_table(README.read_text(), "### `muonkit.HybridMuon(params, **defaults)`")
+    assert keyword in page_table(OPTIMIZER_PAGE.read_text(), "### `muonkit.HybridMuon(params, **defaults)`")
 
 
-def test_the_readme_tables_are_generated_from_the_code(tmp_path: Path) -> None:
-    """The README's routing, defaults and DeepSpeed tables are what ``python -m muonkit._doc_tables`` writes."""
-    text = README.read_text()
-    assert _doc_tables.render(text) == text, "stale README tables: run python -m muonkit._doc_tables"
-    stale = tmp_path / "README.md"
+def test_the_doc_tables_are_generated_from_the_code(tmp_path: Path) -> None:
+    """The routing, defaults and DeepSpeed tables are what ``python -m muonkit._doc_tables`` writes,
+    each on its one page of the docs and nowhere else (README included)."""
+    for name, page in _doc_tables.PAGES.items():
+        text = page.read_text()
+        assert _doc_tables.render(text, [name]) == text, f"stale table {name}: run python -m muonkit._doc_tables"
+    pages = [*DOCS.rglob("*.md"), DOCS.parent / "README.md"]
+    holders = {name: [p for p in pages if name in _doc_tables.tables_in(p.read_text())] for name in _doc_tables.TABLES}
+    assert holders == {name: [page] for name, page in _doc_tables.PAGES.items()}
+    assert _doc_tables.main(["--check"]) == 0
+    text = OPTIMIZER_PAGE.read_text()
+    stale = tmp_path / "optimizer.md"
     stale.write_text(text.replace("| `momentum` | `0.95` |", "| `momentum` | `0.9` |", 1))
     assert _doc_tables.main([str(stale), "--check"]) == 1
     assert _doc_tables.main([str(stale)]) == 0 and stale.read_text() == text

@@ -25,7 +25,7 @@ Paths (:data:`PATHS`):
 - ``dcp``: torch's recipe by hand (``get_state_dict``, ``dcp.save`` / ``dcp.load``,
   ``set_state_dict``). It reads the states the optimizer has when it is called, so it cannot
   resume this run in any cell; what it does instead is pinned in :data:`DCP_OUTCOMES` (the
-  README says so and points to ``load_checkpoint``).
+  docs/checkpoints.md says so and points to ``load_checkpoint``).
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
-"""What the README promises holds, or says exactly where it does not (issue 20 point 5).
+"""What the docs promise holds, or says exactly where it does not (issue 20 point 5).
 
 - A rank-deficient input stays rank-deficient in fp32 and fp64 for the step counts stated
   (``RANK_KEPT_STEPS``), and is lifted to full rank beyond them, as stated.
 - ``eps`` is bounded where every preset keeps its band; beyond, a ValueError names the band.
 - The capturable step equals the plain one bit for bit on the CPU, 0-dim and bf16 params included.
-- The README's "group key" column is the behaviour: every setting is accepted under its group key
+- The docs' "group key" column (docs/optimizer.md) is the behaviour: every setting is accepted under its group key
   in the algorithms named, and raises with the right hint elsewhere; ``muonkit.Muon`` takes
   torch's ``adjust_lr_fn`` in a group.
 - ``strategy=`` takes a Strategy (a TypeError naming it otherwise).
@@ -28,7 +28,7 @@ from muonkit.config import DEFAULTS, GROUP_KEYS, SCHEDULER_KEYS
 from muonkit.functional.coefficients import PRESETS, RANK_KEPT_STEPS
 from muonkit.functional.validation import MAX_NS_EPS
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+OPTIMIZER_PAGE = Path(__file__).resolve().parents[2] / "docs" / "optimizer.md"  # the docs page of HybridMuon
 F32, F64, BF16 = torch.float32, torch.float64, torch.bfloat16
 
 
@@ -63,15 +63,15 @@ def test_a_rank_deficient_input_stays_rank_deficient_up_to_the_stated_steps(
 
 
 @pytest.mark.parametrize(("dtype", "steps"), [(F32, 20), (F64, 50)], ids=["fp32", "fp64"])
-def test_beyond_the_stated_steps_the_noise_is_lifted_as_the_readme_says(dtype: torch.dtype, steps: int) -> None:
+def test_beyond_the_stated_steps_the_noise_is_lifted_as_the_docs_say(dtype: torch.dtype, steps: int) -> None:
     """The issue's case: rank-4 16x48, 16 of 16 singular values near 1 by 20 (fp32) / 50 (fp64) steps."""
     x = _low_rank(16, 48, 4, 0).to(dtype)
     s = torch.linalg.svdvals(muonkit.orthogonalize(x, steps=steps, dtype=dtype).to(F64))
     assert (s > 0.5).sum() == 16
 
 
-def test_the_readme_states_the_rank_counts() -> None:
-    text = " ".join(README.read_text().split())
+def test_the_docs_state_the_rank_counts() -> None:
+    text = " ".join(OPTIMIZER_PAGE.read_text().split())
     assert (
         f"rank-deficient input stays rank-deficient for up to {RANK_KEPT_STEPS['float32']} steps in fp32 and "
         f"{RANK_KEPT_STEPS['float64']} in fp64"
@@ -169,8 +169,10 @@ def test_fuzzed_capturable_twins_are_bit_identical_on_the_cpu(
 
 
 def _group_key_column() -> dict[str, tuple[str | None, tuple[str, ...]]]:
-    """``{argument: (group key or None, algorithms)}`` from the README's HybridMuon table."""
-    section = README.read_text().split("### `muonkit.HybridMuon(params, **defaults)`", 1)[1].split("\n### ", 1)[0]
+    """``{argument: (group key or None, algorithms)}`` from the docs' HybridMuon table."""
+    section = (
+        OPTIMIZER_PAGE.read_text().split("### `muonkit.HybridMuon(params, **defaults)`", 1)[1].split("\n### ", 1)[0]
+    )
     rows = re.findall(
         r"^\| `(\w+)`(?:, `\w+`)* \| `[^`]*`[^|]*\| (`(\w+)` \((.*?)\)|— \(optimizer\)) \|", section, re.M
     )
@@ -190,7 +192,7 @@ def test_the_group_key_column_covers_every_setting_and_every_group_key() -> None
 
 
 @pytest.mark.parametrize("name", list(_group_key_column()))
-def test_each_setting_is_a_group_key_where_the_readme_says_and_raises_with_a_hint_elsewhere(name: str) -> None:
+def test_each_setting_is_a_group_key_where_the_docs_say_and_raises_with_a_hint_elsewhere(name: str) -> None:
     key, algorithms = _group_key_column()[name]
     value = getattr(DEFAULTS, name, None)
     if key is None:

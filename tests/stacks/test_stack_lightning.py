@@ -1,4 +1,4 @@
-"""muonkit with Lightning: ``ModelParallelStrategy`` (FSDP2) on CPU, the README's lines.
+"""muonkit with Lightning: ``ModelParallelStrategy`` (FSDP2) on CPU, the lines of docs/stacks/lightning.md.
 
 (``strategy="fsdp"``, FSDP1, is refused by muonkit and needs a GPU in Lightning:
 tests/stacks/test_stack_fsdp1.py checks the refusal with torch's FSDP1 directly.)

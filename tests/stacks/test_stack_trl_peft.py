@@ -82,7 +82,7 @@ def test_sft_trainer_with_peft_config_and_a_prebuilt_optimizer_warns(tmp_path: P
 
 
 def test_sft_trainer_trains_lora_with_an_optimizer_built_after_get_peft_model(tmp_path: Path) -> None:
-    # The README's TRL + PEFT lines: wrap first, then build the optimizer from the wrapped model.
+    # The TRL + PEFT lines of docs/stacks/trl-peft.md: wrap first, then build the optimizer from the wrapped model.
     args = sft_args(tmp_path)
     model = peft.get_peft_model(tiny_model(), lora_config())
     optimizer = make_optimizer(model, args)

@@ -5,13 +5,13 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterable
 from typing import Any
 
 import torch.distributed as dist
 from torch import Tensor
 
+from muonkit._compat import dtensor_params, requires_torch_for_meshes
 from muonkit.distributed.base import Strategy, StrategyStats
 from muonkit.distributed.collectives import RankFailedError
 from muonkit.distributed.replicated import ReplicatedStrategy
@@ -73,10 +73,7 @@ def select_strategy(params: Iterable[Tensor], *, process_group: Any | None = Non
 
 
 def _dtensors(params: list[Tensor]) -> list[Tensor]:
-    module = sys.modules.get("torch.distributed.tensor")  # not imported: no DTensor can exist (saves ~1 s)
-    if module is None:
-        return []
-    return [p for p in params if isinstance(p, module.DTensor)]
+    return dtensor_params(params)  # not imported: no DTensor can exist (saves ~1 s); too old a torch: named error
 
 
 def _dtensor_strategy(params: list[Tensor], dtensors: list[Any], process_group: Any | None) -> Strategy:
@@ -95,6 +92,7 @@ def _dtensor_strategy(params: list[Tensor], dtensors: list[Any], process_group: 
             "or give the plain tensors to a separate optimizer"
         )
     meshes = list(dict.fromkeys(p.device_mesh for p in dtensors))
+    requires_torch_for_meshes(meshes)
     group = None if process_group is None else group_of(process_group)
     return DTensorStrategy(meshes, process_group=group, replicated=plain)
 

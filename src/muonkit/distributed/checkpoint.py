@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from muonkit._compat import CHECKPOINT_FEATURE, CHECKPOINT_TORCH, requires_torch
 from muonkit.atomic import TMP_SUFFIX, check_replaceable, prepare_dir, publish_dir, readable_dir
 from muonkit.distributed import checkpoint_files
 
@@ -60,6 +61,7 @@ __all__ = ["load_checkpoint", "save_checkpoint"]
 
 def save_checkpoint(path: str | os.PathLike[str], *, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Write model and optimizer state to the directory ``path`` (collective), replacing it atomically."""
+    requires_torch(CHECKPOINT_FEATURE, CHECKPOINT_TORCH)
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     final = os.path.abspath(os.fspath(path))
@@ -99,6 +101,7 @@ def load_checkpoint(
     unpickles them, for checkpoints you trust (plain ``dcp.save`` ones, or muonkit's before
     ``muonkit-values.json``).
     """
+    requires_torch(CHECKPOINT_FEATURE, CHECKPOINT_TORCH)
     from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
     path = readable_dir(os.path.abspath(os.fspath(path)))

@@ -61,7 +61,9 @@ def _deepspeed() -> Any:
     try:
         import deepspeed
     except ImportError as e:
-        raise ImportError("muonkit's DeepSpeed integration needs deepspeed: pip install 'muonkit[deepspeed]'") from e
+        raise ImportError(
+            "muonkit's DeepSpeed integration needs deepspeed: pip install deepspeed (the deepspeed extra; in a clone of muonkit: pip install -e '.[deepspeed]')"
+        ) from e
     return deepspeed
 
 
@@ -372,7 +374,9 @@ def _install_callback() -> Any:
     try:
         from transformers import TrainerCallback
     except ImportError as e:
-        raise ImportError("trainer_setup needs transformers: pip install 'muonkit[hf]'") from e
+        raise ImportError(
+            "trainer_setup needs transformers: pip install transformers accelerate (the hf extra; in a clone of muonkit: pip install -e '.[hf]')"
+        ) from e
 
     class InstallMuonkit(TrainerCallback):
         """Binds HybridMuon to DeepSpeed's partitions once the Trainer has built the engine."""

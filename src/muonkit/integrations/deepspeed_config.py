@@ -12,7 +12,7 @@ know the type), builds :class:`muonkit.HybridMuon` from it and hands DeepSpeed t
 ``"zero_allow_untested_optimizer": true``. The keys of ``params`` (all optional) are the fields of
 :class:`MuonkitOptions`: every keyword of :class:`muonkit.HybridMuon` a JSON config can carry
 (:class:`muonkit.defaults.Defaults`, with its default and meaning), ``ns_dtype`` by name, and
-the routing's ``muon_algorithm``, ``split_qkv`` and ``rules``; the README's table of them is
+the routing's ``muon_algorithm``, ``split_qkv`` and ``rules``; the docs' table of them (docs/stacks/deepspeed.md) is
 generated from these fields (``python -m muonkit._doc_tables``).
 
 The routing is :func:`muonkit.param_groups` (by module structure, printable with

@@ -40,7 +40,9 @@ try:
     from torchtitan.components.checkpointer.utils import canonical_fqn
     from torchtitan.components.optimizer import OptimizersContainer
 except ImportError as e:  # pragma: no cover - depends on the environment
-    raise ImportError("muonkit's torchtitan integration needs torchtitan: pip install 'muonkit[integrations]'") from e
+    raise ImportError(
+        "muonkit's torchtitan integration needs torchtitan: pip install torchtitan (the integrations extra; in a clone of muonkit: pip install -e '.[integrations]')"
+    ) from e
 
 __all__ = ["HybridMuonContainer"]
 

@@ -47,7 +47,9 @@ def _transformers() -> Any:
     try:
         import transformers
     except ImportError as e:
-        raise ImportError("muonkit's Hugging Face integration needs transformers: pip install 'muonkit[hf]'") from e
+        raise ImportError(
+            "muonkit's Hugging Face integration needs transformers: pip install transformers accelerate (the hf extra; in a clone of muonkit: pip install -e '.[hf]')"
+        ) from e
     return transformers
 
 

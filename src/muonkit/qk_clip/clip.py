@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import math
-import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from muonkit._compat import dtensor_params
 from muonkit.distributed import Strategy, StrategyStats, select_strategy
 from muonkit.distributed.base import Held
 from muonkit.distributed.collectives import Collectives, flag_device, group_of
@@ -200,8 +200,7 @@ class QKClip:
             return strategy
         if self._strategy is None:
             params = [s.param(n) for s in self._slots for n, _, _ in s.params]
-            tensors = sys.modules.get("torch.distributed.tensor")  # not imported: no DTensor exists
-            sharded = tensors is not None and any(isinstance(p, tensors.DTensor) for p in params)
+            sharded = bool(dtensor_params(params))
             group = None if sharded else self._group()
             if not sharded and group is None and dist.is_available() and dist.is_initialized():
                 group = dist.group.WORLD  # every rank holds the plain tensors whole
