@@ -97,12 +97,11 @@ def muon_apply_masked_(
     weight_decay: float | Tensor,
     cautious_wd: bool = False,
 ) -> None:
-    """:func:`muon_apply_` where the device flag ``ok`` is true, else nothing: the same operations on
-    copies of ``params`` (the same rounding, bit for bit), then :func:`where_`."""
+    """:func:`muon_apply_` where the device flag ``ok`` is true, else nothing: the same operations (the
+    same rounding, bit for bit), the first of them out of place, so that the new values are new
+    tensors without a copy of ``params`` first; then :func:`where_`."""
     if params:
-        work = [p.clone() for p in params]
-        muon_apply_(work, directions, lr=lr, weight_decay=weight_decay, cautious_wd=cautious_wd)
-        where_(params, work, ok)
+        where_(params, _applied(params, directions, lr=lr, weight_decay=weight_decay, cautious_wd=cautious_wd), ok)
 
 
 def _like_buffers(grads: list[Tensor], buffers: list[Tensor]) -> list[Tensor]:
@@ -417,20 +416,44 @@ def muon_apply_(
     """
     if not params:
         return
-    work = [p if p.dtype in (torch.float32, torch.float64) else p.float() for p in params]
-    dirs = [d if d.dtype == w.dtype else d.to(w.dtype) for d, w in zip(directions, work, strict=True)]
-    if isinstance(lr, Tensor) or isinstance(weight_decay, Tensor) or weight_decay != 0:
-        if cautious_wd:
-            cautious_decay_(work, dirs, lr=lr, weight_decay=weight_decay)
-        else:
-            torch._foreach_mul_(work, 1.0 - lr * weight_decay)
-    if isinstance(lr, Tensor):
-        torch._foreach_addcmul_(work, dirs, [-lr] * len(work))
-    else:
-        torch._foreach_add_(work, dirs, alpha=-lr)
+    work = _applied(params, directions, lr=lr, weight_decay=weight_decay, cautious_wd=cautious_wd, in_place=True)
     for p, w in zip(params, work, strict=True):
         if w is not p:
             p.copy_(w)
+
+
+def _applied(
+    params: Sequence[Tensor],
+    directions: Sequence[Tensor],
+    *,
+    lr: float | Tensor,
+    weight_decay: float | Tensor,
+    cautious_wd: bool,
+    in_place: bool = False,
+) -> list[Tensor]:
+    """``W*(1 - lr*wd) - lr*D``, :func:`muon_apply_`'s operations, in fp32 or fp64 (low-precision
+    params through fp32 copies): written over fp32 and fp64 ``params`` where ``in_place``, else into
+    new tensors by a first operation out of place (no copy of ``params`` made to write over)."""
+    work = [p if p.dtype in (torch.float32, torch.float64) else p.float() for p in params]
+    fresh = not in_place and any(w is p for w, p in zip(work, params, strict=True))  # the first write makes new ones
+    dirs = [d if d.dtype == w.dtype else d.to(w.dtype) for d, w in zip(directions, work, strict=True)]
+    if isinstance(lr, Tensor) or isinstance(weight_decay, Tensor) or weight_decay != 0:
+        factor = (
+            _cautious_multipliers(work, dirs, lr=lr, weight_decay=weight_decay)
+            if cautious_wd
+            else 1.0 - lr * weight_decay
+        )
+        if fresh:
+            work, fresh = list(torch._foreach_mul(work, factor)), False
+        else:
+            torch._foreach_mul_(work, factor)
+    if isinstance(lr, Tensor):  # the decay ran: ``work`` is new or the params' own
+        torch._foreach_addcmul_(work, dirs, [-lr] * len(work))
+    elif fresh:
+        work = list(torch._foreach_add(work, dirs, alpha=-lr))
+    else:
+        torch._foreach_add_(work, dirs, alpha=-lr)
+    return work
 
 
 def cautious_decay_(
@@ -454,8 +477,14 @@ def cautious_decay_(
     as the per-tensor ``where(same, W * factor, W)`` for float32 and float64 weights (what the
     optimizer passes), and for bf16 ones on CPU.
     """
-    if not params:
-        return
+    if params:
+        torch._foreach_mul_(list(params), _cautious_multipliers(params, updates, lr=lr, weight_decay=weight_decay))
+
+
+def _cautious_multipliers(
+    params: Sequence[Tensor], updates: Sequence[Tensor], *, lr: float | Tensor, weight_decay: float | Tensor
+) -> list[Tensor]:
+    """:func:`cautious_decay_`'s multipliers: ``factor`` where ``u`` and ``W`` agree in sign (or either is 0), else 1."""
     factor = 1.0 - lr * weight_decay
     signs = torch._foreach_sign(list(params))
     torch._foreach_mul_(signs, torch._foreach_sign(list(updates)))
@@ -467,7 +496,7 @@ def cautious_decay_(
     torch._foreach_add_(rest, 1.0)
     torch._foreach_mul_(keep, factor)
     torch._foreach_add_(keep, rest)
-    torch._foreach_mul_(list(params), keep)
+    return keep
 
 
 def _multiplier_dtype(w: Tensor, factor: float | Tensor) -> torch.dtype:
