@@ -215,14 +215,17 @@ class HybridMuon(Optimizer):
         check_strategy(strategy, required=True)
         self._strategy = strategy
 
-    def _choose_strategy(self) -> Strategy:
+    def _choose_strategy(self, *, compare_ranks: bool = False) -> Strategy:
         params = self._all_params()
-        return choose_strategy(params, process_group=self._process_group, built_distributed=self._built_distributed)
+        return choose_strategy(
+            params, process_group=self._process_group, built_distributed=self._built_distributed,
+            compare_ranks=compare_ranks,
+        )  # fmt: skip
 
     def _strategy_for_step(self, configs: list[MuonConfig | AdamWConfig]) -> Strategy:
         if self._strategy is None:
-            try:
-                self._strategy = self._choose_strategy()
+            try:  # every rank steps: plain params may be compared across ranks (strategy_choice)
+                self._strategy = self._choose_strategy(compare_ranks=True)
             except ValueError:  # join the other ranks' agreement first, so that every rank raises
                 agree_before_refusing(
                     self._all_params(),
