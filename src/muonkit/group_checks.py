@@ -242,25 +242,54 @@ def check_state_fits(state: Mapping[str, Any], p: Tensor, local: Callable[[Tenso
             )
 
 
-def warn_no_gradients(groups: Sequence[Mapping[str, Any]]) -> None:
+GRADIENTLESS_STEPS_ALLOWED = 3
+"""Steps in a row in which no param has a gradient that :func:`check_gradients_arrive` lets pass
+(with a warning) before it raises."""
+
+
+def check_gradients_arrive(groups: Sequence[Mapping[str, Any]], *, run: int) -> None:
+    """The ``run``-th step in a row in which none of the optimizer's params has a gradient: a
+    warning for the first :data:`GRADIENTLESS_STEPS_ALLOWED` (:func:`warn_no_gradients`), then
+    ``RuntimeError`` with the same message.
+
+    One such step is allowed, as torch.optim allows it (a closure that skipped a batch, torch's
+    own optimizer tests); a run of them is a training that trains nothing, whose warning scrolls by
+    (TRL's ``SFTTrainer(peft_config=...)`` with a prebuilt optimizer went to its end).
+    """
+    if run <= GRADIENTLESS_STEPS_ALLOWED:
+        warn_no_gradients(groups, stacklevel=3)
+        return
+    params = [p for g in groups for p in g["params"]]
+    if params:
+        raise RuntimeError(
+            f"{_no_gradient_message(params)}. {run} steps in a row had no gradient: refusing to go on "
+            "training nothing (a step that has a gradient resets the count; if the params are frozen on purpose "
+            "for a while, skip this optimizer's step() until they train)"
+        )
+
+
+def warn_no_gradients(groups: Sequence[Mapping[str, Any]], *, stacklevel: int = 2) -> None:
     """A step in which none of the optimizer's params has a gradient trains nothing: say so, and why.
 
     A warning, not an error: torch.optim allows such a step (a closure that skipped a batch,
-    torch's own optimizer tests). The usual cause is a model wrapped after the optimizer was
-    built (PEFT's ``get_peft_model``, TRL's ``SFTTrainer(peft_config=...)``): the optimizer holds
-    the frozen base weights and the new adapter params it never sees.
+    torch's own optimizer tests); :func:`check_gradients_arrive` raises after a few in a row. The
+    usual cause is a model wrapped after the optimizer was built (PEFT's ``get_peft_model``, TRL's
+    ``SFTTrainer(peft_config=...)``): the optimizer holds the frozen base weights and the new
+    adapter params it never sees.
     """
     params = [p for g in groups for p in g["params"]]
     if not params:
         return
+    warnings.warn(_no_gradient_message(params), RuntimeWarning, stacklevel=stacklevel + 1)  # the optimizer's step
+
+
+def _no_gradient_message(params: Sequence[Tensor]) -> str:
     frozen = sum(not p.requires_grad for p in params)
-    warnings.warn(
+    return (
         f"HybridMuon.step() found no gradient on any of its {len(params)} params, so nothing was trained "
         f"({frozen} of them have requires_grad=False). Likely cause: the model was wrapped or frozen after "
         "the optimizer was built (PEFT get_peft_model, TRL SFTTrainer(peft_config=...) with an optimizer "
         "passed in optimizers=): the optimizer holds the frozen base weights, not the new trainable adapter "
-        "params. Build the optimizer from the model that trains (after get_peft_model), or call backward() "
-        "before step()",
-        RuntimeWarning,
-        stacklevel=2,  # the optimizer's step
+        "params. Build the optimizer from the model that trains (after get_peft_model; with TRL, "
+        "muonkit.integrations.transformers.MuonSFTTrainer builds it there), or call backward() before step()"
     )

@@ -43,12 +43,12 @@ from muonkit.distributed.guard import Guard, Verdict
 from muonkit.functional.rules import RULES, rule_keywords
 from muonkit.group_checks import (
     GroupConfigs,
+    check_gradients_arrive,
     check_keywords,
     check_muon_params,
     checked_work,
     default_algorithm,
     tensors_and_names,
-    warn_no_gradients,
 )
 from muonkit.limits import work_dtype
 from muonkit.stages import MuonChunk, Rates, adamw_step, commit_batches, commit_muon, muon_chunks
@@ -129,6 +129,7 @@ class HybridMuon(Optimizer):
     capturable = False
     """Whether the step is capturable; the class default serves optimizers pickled before the option."""
     _validated: GroupConfigs | None = None
+    _steps_without_gradients = 0  # in a row, up to this step (not copied: a copy starts counting afresh)
     """The groups' validated configs of the last step."""
 
     def __init__(
@@ -349,8 +350,9 @@ class HybridMuon(Optimizer):
         guard = strategy.guard
         guard.align_grads([p for g in self.param_groups for p in g["params"] if p.grad is not None])
         work = checked_work(self.param_groups, configs, strategy=strategy, state=self.state)
-        if not any(work):
-            warn_no_gradients(self.param_groups)
+        self._steps_without_gradients = 0 if any(work) else self._steps_without_gradients + 1
+        if self._steps_without_gradients:
+            check_gradients_arrive(self.param_groups, run=self._steps_without_gradients)
         return guard, work
 
     def _directions(

@@ -40,7 +40,7 @@ from muonkit.param_groups import no_decay_on_vectors, param_groups
 from muonkit.qk_clip import QKClip
 from muonkit.routing import RuleLike
 
-__all__ = ["MuonTrainer", "make_optimizer", "model_from_config"]  # noqa: F822 (MuonTrainer: module __getattr__)
+__all__ = ["MuonSFTTrainer", "MuonTrainer", "make_optimizer", "model_from_config"]  # noqa: F822 (module __getattr__)
 
 
 def _transformers() -> Any:
@@ -234,6 +234,31 @@ def _make_muon_trainer() -> type:
     return MuonTrainer
 
 
+def _make_muon_sft_trainer() -> type:
+    try:
+        from trl import SFTTrainer
+    except ImportError as e:
+        raise ImportError("muonkit.integrations.transformers.MuonSFTTrainer needs TRL: pip install trl") from e
+    muon_trainer: Any = globals()["MuonTrainer"] if "MuonTrainer" in globals() else __getattr__("MuonTrainer")
+
+    class MuonSFTTrainer(muon_trainer, SFTTrainer):
+        """TRL's ``SFTTrainer`` that trains with :class:`muonkit.HybridMuon` (``MuonTrainer``'s
+        ``muon_options`` and ``qk_clip``; everything else is the SFTTrainer's).
+
+        The optimizer is built when training starts, from the model as ``SFTTrainer`` left it: with
+        ``peft_config=`` that is the PEFT model, so the LoRA adapters train. (An optimizer built
+        beforehand and passed in ``optimizers=`` holds the base weights PEFT then freezes: it finds
+        no gradient, warns for a few steps and then raises.)::
+
+            from muonkit.integrations.transformers import MuonSFTTrainer
+
+            trainer = MuonSFTTrainer(model=model, args=sft_config, train_dataset=ds, peft_config=lora)
+            trainer.train()
+        """
+
+    return MuonSFTTrainer
+
+
 def _qk_clip_of(setting: bool | Mapping[str, Any] | QKClip | None, model: nn.Module) -> QKClip | None:
     if setting is None or setting is False:
         return None
@@ -254,5 +279,9 @@ def __getattr__(name: str) -> Any:
     if name == "MuonTrainer":
         cls = _make_muon_trainer()
         globals()["MuonTrainer"] = cls
+        return cls
+    if name == "MuonSFTTrainer":  # the same for TRL's SFTTrainer (imports trl)
+        cls = _make_muon_sft_trainer()
+        globals()["MuonSFTTrainer"] = cls
         return cls
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
