@@ -293,3 +293,34 @@ def _no_gradient_message(params: Sequence[Tensor]) -> str:
         "params. Build the optimizer from the model that trains (after get_peft_model; with TRL, "
         "muonkit.integrations.transformers.MuonSFTTrainer builds it there), or call backward() before step()"
     )
+
+
+def warn_one_cycle_max_lr(groups: Sequence[Mapping[str, Any]], configs: Sequence[MuonConfig | AdamWConfig]) -> None:
+    """torch's ``OneCycleLR`` with a scalar ``max_lr`` drives every group to the same lr: Muon's and
+    AdamW's, which differ by ~50x. Warn (once, at the first step: the scheduler is built before it)
+    where a Muon group and an AdamW group hold the same ``max_lr`` (the key ``OneCycleLR`` writes
+    into every group) and the Muon group does not scale its lr to AdamW's (``adjust_lr="match_adamw"``,
+    where one lr for both is Moonlight's intent).
+    """
+    peaks = [
+        (i, c, g["max_lr"])
+        for i, (g, c) in enumerate(zip(groups, configs, strict=True))
+        if isinstance(g.get("max_lr"), (int, float))
+    ]
+    adamw = {value: i for i, c, value in peaks if isinstance(c, AdamWConfig)}
+    same = [
+        (i, adamw[value], value)
+        for i, c, value in peaks
+        if isinstance(c, MuonConfig) and c.adjust_lr != "match_adamw" and value in adamw
+    ]
+    if same:
+        i, j, value = same[0]
+        warnings.warn(
+            f"HybridMuon's Muon param group {i} and AdamW param group {j} have the same max_lr={value!r} (set by "
+            "torch.optim.lr_scheduler.OneCycleLR from a scalar max_lr): the scheduler drives both to one lr, while "
+            "Muon's lr is ~50x AdamW's. Pass one max_lr per param group, e.g. OneCycleLR(opt, "
+            'max_lr=[g["lr"] for g in opt.param_groups], ...) (each group peaks at its own lr), or give the Muon '
+            'groups adjust_lr="match_adamw" if one lr for both is meant',
+            UserWarning,
+            stacklevel=4,  # HybridMuon.step (torch.optim's wrappers above it vary)
+        )

@@ -49,6 +49,7 @@ from muonkit.group_checks import (
     checked_work,
     default_algorithm,
     tensors_and_names,
+    warn_one_cycle_max_lr,
 )
 from muonkit.limits import work_dtype
 from muonkit.stages import MuonChunk, Rates, adamw_step, commit_batches, commit_muon, muon_chunks
@@ -129,6 +130,7 @@ class HybridMuon(Optimizer):
     capturable = False
     """Whether the step is capturable; the class default serves optimizers pickled before the option."""
     _validated: GroupConfigs | None = None
+    _schedules_checked = False  # warn_one_cycle_max_lr ran (at the first step)
     _steps_without_gradients = 0  # in a row, up to this step (not copied: a copy starts counting afresh)
     """The groups' validated configs of the last step."""
 
@@ -344,6 +346,9 @@ class HybridMuon(Optimizer):
     def _checked_work(self, configs: list[MuonConfig | AdamWConfig]) -> tuple[Guard, list[list[Tensor]]]:
         """The strategy's guard (the strategy chosen at the first step) and the params each group
         steps, after every check a step could otherwise fail halfway."""
+        if not self._schedules_checked:  # once: lr schedulers are built before the first step
+            self._schedules_checked = True
+            warn_one_cycle_max_lr(self.param_groups, configs)
         strategy = self._strategy_for_step(configs)
         if self.capturable:
             rates_on_device.check_capturable_strategy(strategy)
