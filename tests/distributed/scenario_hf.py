@@ -95,7 +95,7 @@ def _fsdp2_args(ctx: Context, name: str, **kw: Any) -> Any:
         gradient_accumulation_steps=2, learning_rate=1e-3, weight_decay=0.01, lr_scheduler_type="constant",
         max_grad_norm=1.0, report_to="none", save_strategy="steps", save_steps=2, use_cpu=True, logging_steps=1,
         seed=0, data_seed=0, ddp_backend="gloo", disable_tqdm=True,
-        fsdp="full_shard", fsdp_config={"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["Qwen2DecoderLayer"],
+        fsdp=True, fsdp_config={"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["Qwen2DecoderLayer"],
                      "state_dict_type": "SHARDED_STATE_DICT"},
     )  # fmt: skip
     return transformers.TrainingArguments(**{**defaults, **kw})

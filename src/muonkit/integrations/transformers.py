@@ -4,7 +4,9 @@ Two ways to train with HybridMuon, both honouring the ``TrainingArguments`` (the
 take ``learning_rate``, ``adam_beta1/2``, ``adam_epsilon`` and ``weight_decay``; the Trainer's lr
 scheduler scales every group from its own base lr; gradient accumulation, clipping and
 ``resume_from_checkpoint`` work unchanged; so do DDP under ``torchrun`` and FSDP2 through
-``fsdp_config={"version": 2}``)::
+``fsdp=True, fsdp_config={"version": 2, "state_dict_type": "SHARDED_STATE_DICT"}``: ``fsdp=True``,
+as the string form (``fsdp="full_shard"``) is deprecated, and sharded checkpoints, as the default
+full state dict crashes at the first save)::
 
     from muonkit.integrations.transformers import MuonTrainer, make_optimizer
 
@@ -115,7 +117,9 @@ def make_optimizer(
     Under ``torchrun`` the Trainer wraps the model in DDP, so when torch.distributed runs at world
     size > 1 the optimizer gets ``process_group=WORLD`` (each matrix orthogonalized once across
     ranks, identical updates everywhere) unless ``process_group`` says otherwise. Under the
-    Trainer's FSDP2 mode (``fsdp_config={"version": 2}``, transformers 5's default) accelerate
+    Trainer's FSDP2 mode (``fsdp=True, fsdp_config={"version": 2, "state_dict_type":
+    "SHARDED_STATE_DICT"}``; version 2 is transformers 5's default; without sharded checkpoints the
+    first save crashes) accelerate
     swaps the parameters for DTensors after the optimizer is built; HybridMuon chooses its strategy
     at the first step, so it shards its work over their mesh (the group is checked against it).
     FSDP1 is refused. The Trainer's DeepSpeed mode needs
@@ -169,8 +173,9 @@ def _check_trainer_mode(args: Any | None) -> None:
             raise NotImplementedError(
                 f"TrainingArguments has fsdp={args.fsdp!r} with fsdp_config version {version!r} (FSDP1): FSDP1 "
                 "flattens the parameters into 1-D buffers, so no matrix would be found for Muon. Use FSDP2: "
-                'fsdp_config={"version": 2} (the default in transformers 5), whose DTensor params HybridMuon '
-                "shards its work over at the first step."
+                'fsdp=True, fsdp_config={"version": 2, "state_dict_type": "SHARDED_STATE_DICT"} (version 2 is the '
+                "default in transformers 5; the sharded state dict keeps the first save from crashing), whose "
+                "DTensor params HybridMuon shards its work over at the first step."
             )
 
 
