@@ -114,7 +114,11 @@ class HybridMuon(Optimizer):
         capturable: a step with no host read, for ``torch.compile`` and CUDA graphs; needs
             ``nonfinite="unchecked"`` and one device (:mod:`muonkit.capturable`).
         ns_compile: run the Newton-Schulz iteration through ``torch.compile``.
-        process_group: for DDP, the process group the gradients are averaged over.
+        process_group: for DDP, the process group the gradients are averaged over. Left out at
+            world size > 1 with plain params, the first ``step()`` (on every rank) takes them for
+            replicas over every rank if every rank holds the same param shapes, and checks every
+            step that their gradients agree (accelerate's and Lightning's DDP); pipeline stages
+            and per-rank models are refused there (:func:`muonkit.distributed.select_strategy`).
         strategy: an explicit :class:`muonkit.distributed.Strategy` (advanced).
 
     Example::

@@ -62,7 +62,9 @@ def select_strategy(
     point (:class:`muonkit.HybridMuon` does at its first ``step()``). It is what accelerate's and
     Lightning's DDP need: their optimizers are built from the plain model, without a group. Same
     shapes do not make replicas (each rank may train its own model): the gradients are compared
-    every step, and ranks whose gradients differ raise instead of drifting apart.
+    every step, and ranks whose gradients differ raise instead of drifting apart. An optimizer
+    that only some ranks step (a probe trained on rank 0) would wait there for the others: give it
+    ``strategy=SingleDeviceStrategy()`` (or the ``process_group=`` of the ranks that step it).
 
     To run an independent single-device optimizer on each rank (no communication, e.g. each
     rank trains its own model), pass ``strategy=muonkit.distributed.SingleDeviceStrategy()`` to
