@@ -242,25 +242,85 @@ def check_state_fits(state: Mapping[str, Any], p: Tensor, local: Callable[[Tenso
             )
 
 
-def warn_no_gradients(groups: Sequence[Mapping[str, Any]]) -> None:
+GRADIENTLESS_STEPS_ALLOWED = 3
+"""Steps in a row in which no param has a gradient that :func:`check_gradients_arrive` lets pass
+(with a warning) before it raises."""
+
+
+def check_gradients_arrive(groups: Sequence[Mapping[str, Any]], *, run: int) -> None:
+    """The ``run``-th step in a row in which none of the optimizer's params has a gradient: a
+    warning for the first :data:`GRADIENTLESS_STEPS_ALLOWED` (:func:`warn_no_gradients`), then
+    ``RuntimeError`` with the same message.
+
+    One such step is allowed, as torch.optim allows it (a closure that skipped a batch, torch's
+    own optimizer tests); a run of them is a training that trains nothing, whose warning scrolls by
+    (TRL's ``SFTTrainer(peft_config=...)`` with a prebuilt optimizer went to its end).
+    """
+    if run <= GRADIENTLESS_STEPS_ALLOWED:
+        warn_no_gradients(groups, stacklevel=3)
+        return
+    params = [p for g in groups for p in g["params"]]
+    if params:
+        raise RuntimeError(
+            f"{_no_gradient_message(params)}. {run} steps in a row had no gradient: refusing to go on "
+            "training nothing (a step that has a gradient resets the count; if the params are frozen on purpose "
+            "for a while, skip this optimizer's step() until they train)"
+        )
+
+
+def warn_no_gradients(groups: Sequence[Mapping[str, Any]], *, stacklevel: int = 2) -> None:
     """A step in which none of the optimizer's params has a gradient trains nothing: say so, and why.
 
     A warning, not an error: torch.optim allows such a step (a closure that skipped a batch,
-    torch's own optimizer tests). The usual cause is a model wrapped after the optimizer was
-    built (PEFT's ``get_peft_model``, TRL's ``SFTTrainer(peft_config=...)``): the optimizer holds
-    the frozen base weights and the new adapter params it never sees.
+    torch's own optimizer tests); :func:`check_gradients_arrive` raises after a few in a row. The
+    usual cause is a model wrapped after the optimizer was built (PEFT's ``get_peft_model``, TRL's
+    ``SFTTrainer(peft_config=...)``): the optimizer holds the frozen base weights and the new
+    adapter params it never sees.
     """
     params = [p for g in groups for p in g["params"]]
     if not params:
         return
+    warnings.warn(_no_gradient_message(params), RuntimeWarning, stacklevel=stacklevel + 1)  # the optimizer's step
+
+
+def _no_gradient_message(params: Sequence[Tensor]) -> str:
     frozen = sum(not p.requires_grad for p in params)
-    warnings.warn(
+    return (
         f"HybridMuon.step() found no gradient on any of its {len(params)} params, so nothing was trained "
         f"({frozen} of them have requires_grad=False). Likely cause: the model was wrapped or frozen after "
         "the optimizer was built (PEFT get_peft_model, TRL SFTTrainer(peft_config=...) with an optimizer "
         "passed in optimizers=): the optimizer holds the frozen base weights, not the new trainable adapter "
-        "params. Build the optimizer from the model that trains (after get_peft_model), or call backward() "
-        "before step()",
-        RuntimeWarning,
-        stacklevel=2,  # the optimizer's step
+        "params. Build the optimizer from the model that trains (after get_peft_model; with TRL, "
+        "muonkit.integrations.transformers.MuonSFTTrainer builds it there), or call backward() before step()"
     )
+
+
+def warn_one_cycle_max_lr(groups: Sequence[Mapping[str, Any]], configs: Sequence[MuonConfig | AdamWConfig]) -> None:
+    """torch's ``OneCycleLR`` with a scalar ``max_lr`` drives every group to the same lr: Muon's and
+    AdamW's, which differ by ~50x. Warn (once, at the first step: the scheduler is built before it)
+    where a Muon group and an AdamW group hold the same ``max_lr`` (the key ``OneCycleLR`` writes
+    into every group) and the Muon group does not scale its lr to AdamW's (``adjust_lr="match_adamw"``,
+    where one lr for both is Moonlight's intent).
+    """
+    peaks = [
+        (i, c, g["max_lr"])
+        for i, (g, c) in enumerate(zip(groups, configs, strict=True))
+        if isinstance(g.get("max_lr"), (int, float))
+    ]
+    adamw = {value: i for i, c, value in peaks if isinstance(c, AdamWConfig)}
+    same = [
+        (i, adamw[value], value)
+        for i, c, value in peaks
+        if isinstance(c, MuonConfig) and c.adjust_lr != "match_adamw" and value in adamw
+    ]
+    if same:
+        i, j, value = same[0]
+        warnings.warn(
+            f"HybridMuon's Muon param group {i} and AdamW param group {j} have the same max_lr={value!r} (set by "
+            "torch.optim.lr_scheduler.OneCycleLR from a scalar max_lr): the scheduler drives both to one lr, while "
+            "Muon's lr is ~50x AdamW's. Pass one max_lr per param group, e.g. OneCycleLR(opt, "
+            'max_lr=[g["lr"] for g in opt.param_groups], ...) (each group peaks at its own lr), or give the Muon '
+            'groups adjust_lr="match_adamw" if one lr for both is meant',
+            UserWarning,
+            stacklevel=4,  # HybridMuon.step (torch.optim's wrappers above it vary)
+        )

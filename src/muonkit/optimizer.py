@@ -44,12 +44,13 @@ from muonkit.distributed.guard import Guard, Verdict
 from muonkit.functional.rules import RULES, rule_keywords
 from muonkit.group_checks import (
     GroupConfigs,
+    check_gradients_arrive,
     check_keywords,
     check_muon_params,
     checked_work,
     default_algorithm,
     tensors_and_names,
-    warn_no_gradients,
+    warn_one_cycle_max_lr,
 )
 from muonkit.limits import work_dtype
 from muonkit.stages import MuonChunk, Rates, adamw_step, commit_batches, commit_muon, muon_chunks
@@ -114,7 +115,11 @@ class HybridMuon(Optimizer):
         capturable: a step with no host read, for ``torch.compile`` and CUDA graphs; needs
             ``nonfinite="unchecked"`` and one device (:mod:`muonkit.capturable`).
         ns_compile: run the Newton-Schulz iteration through ``torch.compile``.
-        process_group: for DDP, the process group the gradients are averaged over.
+        process_group: for DDP, the process group the gradients are averaged over. Left out at
+            world size > 1 with plain params, the first ``step()`` (on every rank) takes them for
+            replicas over every rank if every rank holds the same param shapes, and checks every
+            step that their gradients agree (accelerate's and Lightning's DDP); pipeline stages
+            and per-rank models are refused there (:func:`muonkit.distributed.select_strategy`).
         strategy: an explicit :class:`muonkit.distributed.Strategy` (advanced).
 
     Example::
@@ -130,6 +135,8 @@ class HybridMuon(Optimizer):
     capturable = False
     """Whether the step is capturable; the class default serves optimizers pickled before the option."""
     _validated: GroupConfigs | None = None
+    _schedules_checked = False  # warn_one_cycle_max_lr ran (at the first step)
+    _steps_without_gradients = 0  # in a row, up to this step (not copied: a copy starts counting afresh)
     """The groups' validated configs of the last step."""
 
     def __init__(
@@ -217,14 +224,17 @@ class HybridMuon(Optimizer):
         check_strategy(strategy, required=True)
         self._strategy = strategy
 
-    def _choose_strategy(self) -> Strategy:
+    def _choose_strategy(self, *, compare_ranks: bool = False) -> Strategy:
         params = self._all_params()
-        return choose_strategy(params, process_group=self._process_group, built_distributed=self._built_distributed)
+        return choose_strategy(
+            params, process_group=self._process_group, built_distributed=self._built_distributed,
+            compare_ranks=compare_ranks,
+        )  # fmt: skip
 
     def _strategy_for_step(self, configs: list[MuonConfig | AdamWConfig]) -> Strategy:
         if self._strategy is None:
-            try:
-                self._strategy = self._choose_strategy()
+            try:  # every rank steps: plain params may be compared across ranks (strategy_choice)
+                self._strategy = self._choose_strategy(compare_ranks=True)
             except ValueError:  # join the other ranks' agreement first, so that every rank raises
                 agree_before_refusing(
                     self._all_params(),
@@ -342,14 +352,18 @@ class HybridMuon(Optimizer):
     def _checked_work(self, configs: list[MuonConfig | AdamWConfig]) -> tuple[Guard, list[list[Tensor]]]:
         """The strategy's guard (the strategy chosen at the first step) and the params each group
         steps, after every check a step could otherwise fail halfway."""
+        if not self._schedules_checked:  # once: lr schedulers are built before the first step
+            self._schedules_checked = True
+            warn_one_cycle_max_lr(self.param_groups, configs)
         strategy = self._strategy_for_step(configs)
         if self.capturable:
             rates_on_device.check_capturable_strategy(strategy)
         guard = strategy.guard
         guard.align_grads([p for g in self.param_groups for p in g["params"] if p.grad is not None])
         work = checked_work(self.param_groups, configs, strategy=strategy, state=self.state)
-        if not any(work):
-            warn_no_gradients(self.param_groups)
+        self._steps_without_gradients = 0 if any(work) else self._steps_without_gradients + 1
+        if self._steps_without_gradients:
+            check_gradients_arrive(self.param_groups, run=self._steps_without_gradients)
         return guard, work
 
     def _directions(

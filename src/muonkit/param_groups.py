@@ -7,6 +7,7 @@ print(muonkit.explain(model))
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -14,6 +15,7 @@ from typing import Any
 from torch import nn
 
 from muonkit.config import ADAMW_KEYS, MATRIX_ALGORITHMS, RULE_KEYS, check_group_keys
+from muonkit.defaults import DEFAULTS
 from muonkit.routing import STATE_BYTES, Route, RuleLike, route
 
 
@@ -50,6 +52,7 @@ def param_groups(
     allowed = RULE_KEYS[muon_algorithm]
     check_group_keys(muon_options or {}, " in muon_options", allowed=allowed, algorithm=muon_algorithm)
     check_group_keys(adamw_options or {}, " in adamw_options", allowed=ADAMW_KEYS, algorithm="adamw")
+    warn_adamw_sized_lr(lr, adamw_lr=adamw_lr, muon_options=muon_options)
     # The options win: muon_options={"weight_decay": 0.1} must not clash with the keyword.
     options = {
         "muon": {**_given(lr=lr, weight_decay=weight_decay), **(muon_options or {})},
@@ -66,6 +69,32 @@ def param_groups(
         groups[key]["params"].append(named[r.name])
         groups[key]["param_names"].append(r.name)
     return list(groups.values())
+
+
+ADAMW_SIZED_LR = 1e-3
+"""A Muon lr at or below this (with Muon's own lr scaling) is an AdamW lr given to Muon by habit."""
+
+
+def warn_adamw_sized_lr(lr: float | None, *, adamw_lr: float | None, muon_options: Mapping[str, Any] | None) -> None:
+    """``param_groups(model, lr=3e-4)``, as one writes for AdamW: ``lr`` is the Muon groups' lr only.
+
+    Warned where the intent is clear: ``lr`` given at an AdamW size, ``adamw_lr`` not given (so the
+    caller did not tell the two apart), and no ``adjust_lr`` in ``muon_options`` (with
+    ``"match_adamw"``, Moonlight's scaling, Muon takes AdamW's lr on purpose).
+    """
+    if lr is None or adamw_lr is not None or "adjust_lr" in (muon_options or {}):
+        return
+    if not isinstance(lr, (int, float)) or not 0 < lr <= ADAMW_SIZED_LR:
+        return
+    warnings.warn(
+        f"param_groups(model, lr={lr!r}): lr= is the Muon groups' lr, and {lr!r} is an AdamW-sized lr (Muon's "
+        f"default is {DEFAULTS.lr} with adjust_lr={DEFAULTS.adjust_lr!r}): Muon would take tiny steps. The AdamW "
+        f"groups take adamw_lr= (default {DEFAULTS.adamw_lr}). Pass param_groups(model, adamw_lr={lr!r}) and leave lr "
+        f"to Muon's default, or muon_options={{'adjust_lr': 'match_adamw'}} to give Muon AdamW's lr on purpose "
+        "(Moonlight's scaling); either silences this warning",
+        UserWarning,
+        stacklevel=3,  # the caller of param_groups
+    )
 
 
 def _given(**hyperparameters: Any) -> dict[str, Any]:

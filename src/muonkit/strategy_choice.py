@@ -63,13 +63,22 @@ def local_view(t: Tensor) -> Tensor:
     return t.to_local() if cls is not None and isinstance(t, cls) else t
 
 
-def choose_strategy(params: list[Tensor], *, process_group: Any, built_distributed: bool) -> Strategy:
+def choose_strategy(
+    params: list[Tensor], *, process_group: Any, built_distributed: bool, compare_ranks: bool = False
+) -> Strategy:
     """The strategy for ``params``; ``built_distributed``: whether the optimizer was built at world size > 1
-    (if not, a refusal says to build it after torch.distributed is initialized)."""
+    (if not, a refusal says to build it after torch.distributed is initialized).
+
+    ``compare_ranks``: every rank chooses now, at the same point (the first ``step()``), so plain
+    params without ``process_group=`` may be compared across ranks and taken for DDP replicas
+    (:func:`muonkit.distributed.select_strategy`): what accelerate's and Lightning's DDP need, whose
+    optimizers are built from the plain model. A read of ``opt.strategy`` before the first step
+    may happen on one rank only, so it never compares (a collective there would hang).
+    """
     try:
-        return select_strategy(params, process_group=process_group)
+        return select_strategy(params, process_group=process_group, compare_ranks=compare_ranks)
     except ValueError as e:
-        if built_distributed or process_group is not None or dtensors(params):
+        if compare_ranks or built_distributed or process_group is not None or dtensors(params):
             raise
         raise ValueError(
             f"{e} This HybridMuon was built before torch.distributed was initialized (e.g. before "

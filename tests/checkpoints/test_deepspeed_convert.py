@@ -303,3 +303,46 @@ def test_a_rank_file_with_other_state_is_refused(tmp_path: Path, rank: int, edit
     with pytest.raises(ValueError, match=message):
         convert(ckpt, world_size=1, output=tmp_path / "out")
     assert not (tmp_path / "out" / "step2").exists()
+
+
+def _trainer_checkpoint(root: Path) -> Path:
+    """A Hugging Face Trainer ``checkpoint-2`` saved by 2 ranks under DeepSpeed (the engine's tag
+    and ``latest``, the Trainer's own files beside them)."""
+    ckpt = root / "checkpoint-2"
+    _write_zero3(ckpt / "global_step2")
+    (ckpt / "latest").write_text("global_step2")
+    (ckpt / "trainer_state.json").write_text('{"global_step": 2}')
+    for name in ("scheduler.pt", "training_args.bin", "model.safetensors", "config.json", "zero_to_fp32.py"):
+        (ckpt / name).write_bytes(name.encode())
+    for rank in range(2):
+        (ckpt / f"rng_state_{rank}.pth").write_bytes(f"rng of rank {rank}".encode())
+    return ckpt
+
+
+@pytest.mark.parametrize(
+    ("world_size", "rng"),
+    [
+        (1, {"rng_state.pth": b"rng of rank 0"}),
+        (3, {f"rng_state_{r}.pth": f"rng of rank {r}".encode() for r in (0, 1)}),
+    ],
+)
+def test_a_trainer_checkpoint_keeps_the_trainers_files(tmp_path: Path, world_size: int, rng: dict[str, bytes]) -> None:
+    """The Trainer resumes from its own files besides DeepSpeed's: they are copied (RNG states per new rank)."""
+    ckpt = _trainer_checkpoint(tmp_path)
+    out = tmp_path / "out" / "checkpoint-2"
+    assert convert(ckpt, world_size=world_size, output=out) == "global_step2"
+    copied = ["config.json", "model.safetensors", "scheduler.pt", "trainer_state.json", "training_args.bin"]
+    assert sorted(os.listdir(out)) == sorted(["global_step2", "latest", "zero_to_fp32.py", *copied, *rng])
+    assert all((out / name).read_bytes() == (ckpt / name).read_bytes() for name in copied)
+    assert {name: (out / name).read_bytes() for name in rng} == rng
+    assert (out / "latest").read_text() == "global_step2"
+
+
+def test_help_names_the_trainer_checkpoint_and_the_errors_without_trainer_setup(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit):
+        main(["convert-deepspeed", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "Trainer checkpoint-N converts into one the Trainer resumes from" in text
+    assert "trainer_setup" in text and "used a DP world size of W but the current world size is N" in text

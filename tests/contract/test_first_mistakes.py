@@ -3,6 +3,7 @@
 - a model instead of param groups, to HybridMuon and to Muon;
 - torch's keywords (``adjust_lr_fn=``, ``foreach=``) and misspellings on HybridMuon;
 - a momentum-cycling torch lr scheduler (OneCycleLR, CyclicLR) on Muon groups;
+- an AdamW-sized ``lr`` to ``param_groups`` and ``OneCycleLR`` with one ``max_lr`` for Muon and AdamW: warned;
 - ``RoutingReport`` counts elements with ``numel`` and lists tensors with ``names``.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import re
+import warnings
 
 import pytest
 import torch
@@ -125,6 +127,37 @@ def test_momentum_cycling_scheduler_cycles_muons_momentum(scheduler: str) -> Non
     assert min(used) < 0.9 < max(used)  # it did cycle
     for p, q in zip(model.parameters(), twin.parameters(), strict=True):
         assert torch.equal(p, q)
+
+
+def test_an_adamw_sized_lr_to_param_groups_warns() -> None:
+    model = _model()
+    with pytest.warns(UserWarning, match=r"param_groups\(model, lr=0.0003\): lr= is the Muon groups' lr.*adamw_lr="):
+        groups = muonkit.param_groups(model, lr=3e-4)
+    assert {g["lr"] for g in groups if g["algorithm"] == "muon"} == {3e-4}  # still what was asked
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        muonkit.param_groups(model)
+        muonkit.param_groups(model, lr=0.02)
+        muonkit.param_groups(model, lr=3e-4, adamw_lr=3e-4)  # both said: the caller tells them apart
+        muonkit.param_groups(model, lr=3e-4, muon_options={"adjust_lr": "match_adamw"})  # Moonlight's, on purpose
+
+
+def test_one_cycle_lr_with_one_max_lr_for_muon_and_adamw_warns_at_the_first_step() -> None:
+    model = _model()
+    opt = muonkit.HybridMuon(muonkit.param_groups(model))
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.01, total_steps=8)
+    with pytest.warns(UserWarning, match=r"Muon param group \d and AdamW param group \d have the same max_lr=0.01.*"
+                      r"max_lr=\[g\[\"lr\"\] for g in opt.param_groups\]"):  # fmt: skip
+        _train(opt, model, steps=1)
+    sched.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _train(opt, model, steps=1)  # once
+        for muon_options in ({}, {"adjust_lr": "match_adamw"}):  # per-group peaks; one lr on purpose
+            opt = muonkit.HybridMuon(muonkit.param_groups(model, muon_options=muon_options))
+            max_lr = [g["lr"] for g in opt.param_groups] if not muon_options else 1e-3
+            torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=max_lr, total_steps=8)
+            _train(opt, model, steps=1)
 
 
 def test_routing_report_counts_and_names() -> None:

@@ -248,7 +248,8 @@ def test_adjust_lr_names_of_other_libraries_get_a_hint(value: str, ours: str, wh
 def test_scheduler_keys_are_accepted_before_and_after_construction() -> None:
     model = Tiny()
     opt = muonkit.HybridMuon(muonkit.param_groups(model))
-    torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=10)  # writes initial_lr, max_lr, momenta...
+    max_lr = [g["lr"] for g in opt.param_groups]  # one per group: a scalar is warned (test_first_mistakes)
+    torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=max_lr, total_steps=10)  # writes initial_lr, max_lr, momenta...
     opt.param_groups[0]["note"] = "anything"  # keys written after construction are the writer's business
     tiny_loss(model).backward()
     opt.step()

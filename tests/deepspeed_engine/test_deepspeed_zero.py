@@ -3,7 +3,7 @@
 See ds_checks_train (equivalence with the single-device reference, exactly-once, traffic,
 schedulers, unsupported configurations, bit-identical resume), ds_checks_load (a 2-rank
 checkpoint at 1 rank: the documented error, the conversion, the loaded state) and ds_checks_hf
-(the Hugging Face Trainer driving DeepSpeed).
+(the Hugging Face Trainer driving DeepSpeed; ds_checks_hf_resume resumes its checkpoint at 1 rank).
 """
 
 from __future__ import annotations
@@ -45,6 +45,12 @@ def hf_results(shared: Path) -> dict:
     return launch("ds_checks_hf", world_size=2, out_dir=shared.parent / "ds_hf", shared=shared)
 
 
+@pytest.fixture(scope="module")
+def hf_resume_results(shared: Path, hf_results: dict) -> dict:
+    del hf_results  # the Trainer checkpoint it saved is the input
+    return launch("ds_checks_hf_resume", world_size=1, out_dir=shared.parent / "ds_hf_resume", shared=shared)
+
+
 @pytest.mark.parametrize("name", names("ds_checks_train"))
 def test_train(train_results: dict, name: str) -> None:
     problem = report(train_results, name, 2)
@@ -60,4 +66,10 @@ def test_load_at_one_rank(load_results: dict, name: str) -> None:
 @pytest.mark.parametrize("name", names("ds_checks_hf"))
 def test_hugging_face_trainer(hf_results: dict, name: str) -> None:
     problem = report(hf_results, name, 2)
+    assert problem is None, problem
+
+
+@pytest.mark.parametrize("name", names("ds_checks_hf_resume"))
+def test_hugging_face_trainer_resumes_at_one_rank(hf_resume_results: dict, name: str) -> None:
+    problem = report(hf_resume_results, name, 1)
     assert problem is None, problem

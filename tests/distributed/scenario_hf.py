@@ -95,7 +95,7 @@ def _fsdp2_args(ctx: Context, name: str, **kw: Any) -> Any:
         gradient_accumulation_steps=2, learning_rate=1e-3, weight_decay=0.01, lr_scheduler_type="constant",
         max_grad_norm=1.0, report_to="none", save_strategy="steps", save_steps=2, use_cpu=True, logging_steps=1,
         seed=0, data_seed=0, ddp_backend="gloo", disable_tqdm=True,
-        fsdp="full_shard", fsdp_config={"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["Qwen2DecoderLayer"],
+        fsdp=True, fsdp_config={"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["Qwen2DecoderLayer"],
                      "state_dict_type": "SHARDED_STATE_DICT"},
     )  # fmt: skip
     return transformers.TrainingArguments(**{**defaults, **kw})
@@ -300,33 +300,43 @@ def accelerate_prepare_after_the_optimizer_picks_the_strategy_at_the_first_step(
 
 
 @check(2)
-def accelerate_ddp_prepare_after_the_optimizer_raises_at_the_first_step(ctx: Context) -> None:
-    """The same under accelerate's DDP: plain params cannot say whether they are replicated, so the
-    first step raises, naming what to pass, and changes nothing (before, every rank silently
-    orthogonalized every matrix)."""
+def accelerate_ddp_without_a_process_group_trains_as_replicas(ctx: Context) -> None:
+    """accelerate's DDP with HybridMuon built as its README shows (no ``process_group=``), before
+    or after ``Accelerator()``: every rank holds the same plain params, so the first step takes them
+    for DDP replicas; each matrix is orthogonalized once per step over the ranks and the run equals
+    one with ``process_group=WORLD`` bit for bit (before, the first step raised)."""
     import muonkit
 
-    model = _qwen()
-    opt = _built_before_torch_distributed(lambda: muonkit.HybridMuon(muonkit.param_groups(model)))
-    accelerator = _accelerator(fsdp2=False)
-    model, prepared = accelerator.prepare(model, opt)
-    assert isinstance(model, torch.nn.parallel.DistributedDataParallel), type(model)
-    batch = _data()[ctx.rank]
-    accelerator.backward(model(input_ids=batch["input_ids"][None], labels=batch["labels"][None]).loss)
-    before = [p.detach().clone() for p in model.parameters()]
-    try:
-        prepared.step()
-    except ValueError as e:
-        message = str(e)
-        assert "Pass process_group=torch.distributed.group.WORLD" in message, message
-        assert "built before torch.distributed was initialized" in message, message
-    else:
-        raise AssertionError(f"no error on rank {ctx.rank}: strategy {opt.strategy.name}")
-    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True)), "a param changed"
-    assert not opt.state, "state was created"
-    from accelerate.state import AcceleratorState
+    def run(build: Any) -> tuple[Any, list[Tensor]]:
+        model = _qwen()
+        opt = build(model)
+        accelerator = _accelerator(fsdp2=False)
+        model, prepared = accelerator.prepare(model, opt)
+        assert isinstance(model, torch.nn.parallel.DistributedDataParallel), type(model)
+        data = _data()
+        for step in range(2):
+            batch = data[step * ctx.world_size + ctx.rank]
+            accelerator.backward(model(input_ids=batch["input_ids"][None], labels=batch["labels"][None]).loss)
+            prepared.step()
+            prepared.zero_grad()
+        from accelerate.state import AcceleratorState
 
-    AcceleratorState._reset_state(reset_partial_state=True)
+        AcceleratorState._reset_state(reset_partial_state=True)
+        return opt, [p.detach().clone() for p in model.parameters()]
+
+    explicit_opt, explicit = run(lambda m: muonkit.HybridMuon(muonkit.param_groups(m), process_group=dist.group.WORLD))
+    before = _built_before_torch_distributed
+    for name, build in (
+        ("built before Accelerator()", lambda m: before(lambda: muonkit.HybridMuon(muonkit.param_groups(m)))),
+        ("built after it", lambda m: muonkit.HybridMuon(muonkit.param_groups(m))),
+    ):
+        opt, params = run(build)
+        assert opt.strategy.name == "replicated", (name, opt.strategy.name)
+        total = torch.tensor([opt.strategy.stats.matrices])
+        dist.all_reduce(total)
+        assert total.item() == 2 * _muon_matrices(opt), (name, total.item(), _muon_matrices(opt))
+        assert all(torch.equal(a, b) for a, b in zip(explicit, params, strict=True)), f"{name}: differs from WORLD"
+    assert explicit_opt.strategy.name == "replicated"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -291,16 +291,21 @@ def strategy_is_chosen_from_the_params_at_the_first_step(ctx: Context) -> None:
     assert all(torch.equal(b, p.detach().full_tensor()) for b, p in zip(before, sharded, strict=True))
     assert not opt.state
 
-    # plain params at world size 2 without a group: the first step says what to pass
-    opt = muonkit.HybridMuon([nn.Parameter(torch.randn(4, 4))])
+    # plain params at world size 2 without a group: opt.strategy read before the first step (maybe on
+    # one rank only) cannot compare the ranks' params and says what to pass; the first step compares
+    # them (the same here) and takes them for DDP replicas (tests/distributed/scenario_choice.py)
+    opt = muonkit.HybridMuon([nn.Parameter(torch.ones(4, 4))])
     opt.param_groups[0]["params"][0].grad = torch.ones(4, 4)
     try:
-        opt.step()
+        opt.strategy  # noqa: B018 - the read chooses
     except ValueError as e:
         assert "process_group=torch.distributed.group.WORLD" in str(e) and "SingleDeviceStrategy()" in str(e), str(e)
         assert "built before torch.distributed" not in str(e), str(e)  # it was initialized at construction
+        assert "first step() chooses ReplicatedStrategy by itself" in str(e), str(e)
     else:
-        raise AssertionError("plain params at world size 2 without process_group must be refused")
+        raise AssertionError("opt.strategy of plain params at world size 2 without process_group must be refused")
+    opt.step()
+    assert isinstance(opt.strategy, ReplicatedStrategy) and opt.strategy.verify_grads, opt.strategy
 
     # an explicit strategy wins over the params' layout, and set_strategy replaces the choice
     opt, _ = swapped()

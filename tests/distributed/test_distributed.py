@@ -26,6 +26,7 @@ MODULES = [
     "scenario_qk_clip",
     "scenario_regions",
     "scenario_failure",
+    "scenario_choice",
 ]
 WORLD_SIZES = [2, 4, 1]  # 2 first: it writes the checkpoints the others load
 CASES = [(w, name) for w in WORLD_SIZES for m in MODULES for name in checks_of(m, w)]

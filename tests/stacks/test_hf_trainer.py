@@ -163,6 +163,30 @@ def test_make_optimizer_serves_the_trainers_fsdp2(fsdp_config: dict | None) -> N
     assert isinstance(opt, muonkit.HybridMuon)
 
 
+def test_the_fsdp2_snippet_muonkit_shows_is_the_one_that_works(tmp_path: Path, caplog: Any) -> None:
+    """The module's FSDP2 lines: ``fsdp=True`` (the string form is deprecated) and a sharded state
+    dict (the default crashes at the first save); make_optimizer's FSDP1 refusal says the same."""
+    import ast
+    import re
+
+    from muonkit.integrations import transformers as mk_hf
+
+    doc = " ".join((mk_hf.__doc__ or "").split())
+    found = re.search(r"``(fsdp=True, fsdp_config=\{.*?\})``", doc)
+    assert found, "the module docstring shows no fsdp=True, fsdp_config={...} snippet"
+    call = ast.parse(f"f({found.group(1)})", mode="eval").body
+    assert isinstance(call, ast.Call)
+    kwargs = {k.arg: ast.literal_eval(k.value) for k in call.keywords}
+    assert kwargs["fsdp_config"] == {"version": 2, "state_dict_type": "SHARDED_STATE_DICT"}, kwargs
+    with caplog.at_level("WARNING"):
+        args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", **kwargs)
+    assert "deprecated" not in caplog.text, caplog.text
+    assert args.fsdp_config["state_dict_type"] == "SHARDED_STATE_DICT"
+    with pytest.raises(NotImplementedError) as refused:
+        make_optimizer(tiny_model(), _namespace_args(fsdp=True, fsdp_config={"version": 1}))
+    assert found.group(1) in str(refused.value), str(refused.value)
+
+
 def _namespace_args(**mode: Any) -> Any:
     from types import SimpleNamespace
 

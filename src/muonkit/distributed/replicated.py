@@ -41,6 +41,7 @@ from torch import Tensor
 
 from muonkit.config import MuonConfig
 from muonkit.distributed.executor import PlannedStrategy
+from muonkit.distributed.guard import CollectiveGuard, ReplicaGuard
 from muonkit.distributed.pieces import At, Box, Expert, Holders, Job, Pieces, Region, Span
 from muonkit.functional.matrices import MatrixLayout
 
@@ -50,12 +51,26 @@ _MATRIX = MatrixLayout("matrix")
 
 
 class ReplicatedStrategy(PlannedStrategy):
-    """Whole params on every rank (DDP); each matrix orthogonalized once, by its owner."""
+    """Whole params on every rank (DDP); each matrix orthogonalized once, by its owner.
+
+    ``verify_grads``: check every step that the gradients are the same on every rank
+    (:class:`~muonkit.distributed.guard.ReplicaGuard`), for params taken as replicas because every
+    rank holds the same shapes rather than because the user said so with ``process_group=``.
+    """
 
     name = "replicated"
 
-    def __init__(self, process_group: Any) -> None:
+    def __init__(self, process_group: Any, *, verify_grads: bool = False) -> None:
         super().__init__(process_group)
+        self.verify_grads = verify_grads
+
+    @functools.cached_property
+    def guard(self) -> CollectiveGuard:
+        """:class:`~muonkit.distributed.guard.CollectiveGuard`, or with ``verify_grads`` its
+        :class:`~muonkit.distributed.guard.ReplicaGuard`."""
+        if self.verify_grads:
+            return ReplicaGuard(self.comm, strategy=self.name)
+        return CollectiveGuard(self.comm, strategy=self.name)
 
     def placement_key(self, params: list[Tensor], updates: list[Tensor]) -> Hashable:
         del params

@@ -11,6 +11,26 @@ write N files. Scalars (AdamW ``step``, lr, loss scaler, scheduler) and an updat
 (whole on every rank, one value per matrix row of the group) are copied. The model-state
 files are copied with ``dp_world_size`` set to N.
 
+A Hugging Face Trainer ``checkpoint-N`` directory converts the same way into one the Trainer
+resumes from (``trainer.train(resume_from_checkpoint=OUTPUT)``): every other file at the top of
+the checkpoint (``trainer_state.json``, ``scheduler.pt``, ``training_args.bin``, the model's
+weights and config, a tokenizer's files) is copied, and the RNG states are mapped to the new
+ranks (``rng_state_R.pth`` of rank R; ``rng_state.pth`` at one rank): a rank beyond the saved
+ones gets none, and the Trainer warns that its RNG is not restored and trains on. Only the
+``global_step*`` tag converted is written (older tags are left out)::
+
+    muonkit convert-deepspeed out/checkpoint-500 --world-size 1 --output out_w1/checkpoint-500
+    trainer.train(resume_from_checkpoint="out_w1/checkpoint-500")   # in a 1-rank run
+
+Under the Trainer, HybridMuon comes in through
+:func:`muonkit.integrations.deepspeed.trainer_setup`; without it a user meets two errors:
+``make_optimizer`` / ``MuonTrainer`` refuse ``TrainingArguments(deepspeed=...)`` ("TrainingArguments
+has deepspeed set: the Trainer then builds the optimizer itself and would discard this one"), and
+resuming a checkpoint at another world size without this conversion fails in DeepSpeed ("The
+checkpoint being loaded used a DP world size of W but the current world size is N. Automatic
+adjustment of ZeRO's optimizer state partitioning with a new world size is not currently
+supported.").
+
 Supported: ZeRO-1/2 (``DeepSpeedZeroOptimizer``, also with bf16), DeepSpeed's BF16 optimizer
 (ZeRO-1 with fp32 gradient accumulation) and ZeRO-3, without ``round_robin_gradients`` (its
 parameter order depends on the world size). Example::
@@ -33,14 +53,16 @@ conversion over a previous one.
 from __future__ import annotations
 
 import argparse
+import functools
 import glob
 import math
 import os
 import pickle
 import re
+import shutil
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 from torch import Tensor
@@ -49,7 +71,7 @@ from muonkit.atomic import check_replaceable, prepare_dir, publish_dir, replace_
 from muonkit.functional.rules import WHOLE_STATES
 from muonkit.integrations.deepspeed_checkpoint import SAFE_CLASSES, latest_tag
 
-__all__ = ["SAFE_CLASSES", "convert", "main"]
+__all__ = ["SAFE_CLASSES", "convert", "copy_trainer_files", "main"]
 
 _OPTIM = re.compile(r"^(?P<prefix>.*)zero_pp_rank_(?P<rank>\d+)_mp_rank_00_optim_states\.pt$")
 
@@ -104,8 +126,45 @@ def convert(
         )
     _write_model_states(model0, model_files, tmp, world_size)
     publish_dir(tmp, out_dir)
+    copy_trainer_files(src, output, world_size=world_size)
     replace_file(os.path.join(output, "latest"), lambda f: f.write(tag.encode()))
     return tag
+
+
+_RNG = re.compile(r"^rng_state(?:_(?P<rank>\d+))?\.pth$")
+
+
+def copy_trainer_files(src: str, output: str, *, world_size: int) -> list[str]:
+    """Copy the files at the top of ``src`` besides DeepSpeed's (``latest``, the tag directories)
+    into ``output``: what a Hugging Face Trainer ``checkpoint-N`` needs to resume (its state,
+    scheduler, arguments, weights, config); returns their names.
+
+    RNG states are per rank: ``rng_state_R.pth`` (or ``rng_state.pth``, saved by one rank) goes
+    to rank R of the new world size, named as the Trainer reads it there (``rng_state.pth`` at one
+    rank); ranks beyond the saved ones get none (the Trainer warns and trains on).
+    """
+    rng: dict[int, str] = {}
+    copies: dict[str, str] = {}
+    for name in sorted(os.listdir(src)):
+        path = os.path.join(src, name)
+        if name == "latest" or not os.path.isfile(path) or os.path.islink(path):
+            continue
+        match = _RNG.match(name)
+        if match is None:
+            copies[name] = path
+        else:
+            rng.setdefault(int(match.group("rank") or 0), path)
+    for rank in range(world_size):
+        if rank in rng:
+            copies["rng_state.pth" if world_size == 1 else f"rng_state_{rank}.pth"] = rng[rank]
+    for name, path in copies.items():
+        replace_file(os.path.join(output, name), functools.partial(_copy_into, path))
+    return sorted(copies)
+
+
+def _copy_into(path: str, f: BinaryIO) -> None:
+    with open(path, "rb") as source:
+        shutil.copyfileobj(source, f)
 
 
 def _check_tag(src: str, tag: str, origin: str) -> None:
@@ -325,7 +384,14 @@ DESCRIPTION = (
     "file holding any other object is refused, never unpickled (--trusted unpickles it, for "
     "checkpoints you trust). OUTPUT/TAG is written aside and renamed into place; nothing is written "
     "outside OUTPUT. Note: DeepSpeed's own engine.load_checkpoint unpickles with weights_only=False "
-    "(muonkit's guard scans the files first, but not under the Hugging Face Trainer)."
+    "(muonkit's guard scans the files first, but not under the Hugging Face Trainer). "
+    "A Hugging Face Trainer checkpoint-N converts into one the Trainer resumes from: the other files "
+    "at its top (trainer_state.json, scheduler.pt, weights, config...) are copied and the RNG states "
+    "mapped to the new ranks; the Trainer takes HybridMuon through "
+    "muonkit.integrations.deepspeed.trainer_setup (without it, make_optimizer and MuonTrainer refuse "
+    "TrainingArguments(deepspeed=...), and a checkpoint resumed at another world size without this "
+    "conversion fails in DeepSpeed with 'The checkpoint being loaded used a DP world size of W but the "
+    "current world size is N')."
 )
 
 

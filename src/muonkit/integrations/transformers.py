@@ -4,7 +4,9 @@ Two ways to train with HybridMuon, both honouring the ``TrainingArguments`` (the
 take ``learning_rate``, ``adam_beta1/2``, ``adam_epsilon`` and ``weight_decay``; the Trainer's lr
 scheduler scales every group from its own base lr; gradient accumulation, clipping and
 ``resume_from_checkpoint`` work unchanged; so do DDP under ``torchrun`` and FSDP2 through
-``fsdp_config={"version": 2}``)::
+``fsdp=True, fsdp_config={"version": 2, "state_dict_type": "SHARDED_STATE_DICT"}``: ``fsdp=True``,
+as the string form (``fsdp="full_shard"``) is deprecated, and sharded checkpoints, as the default
+full state dict crashes at the first save)::
 
     from muonkit.integrations.transformers import MuonTrainer, make_optimizer
 
@@ -40,7 +42,7 @@ from muonkit.param_groups import no_decay_on_vectors, param_groups
 from muonkit.qk_clip import QKClip
 from muonkit.routing import RuleLike
 
-__all__ = ["MuonTrainer", "make_optimizer", "model_from_config"]  # noqa: F822 (MuonTrainer: module __getattr__)
+__all__ = ["MuonSFTTrainer", "MuonTrainer", "make_optimizer", "model_from_config"]  # noqa: F822 (module __getattr__)
 
 
 def _transformers() -> Any:
@@ -117,7 +119,9 @@ def make_optimizer(
     Under ``torchrun`` the Trainer wraps the model in DDP, so when torch.distributed runs at world
     size > 1 the optimizer gets ``process_group=WORLD`` (each matrix orthogonalized once across
     ranks, identical updates everywhere) unless ``process_group`` says otherwise. Under the
-    Trainer's FSDP2 mode (``fsdp_config={"version": 2}``, transformers 5's default) accelerate
+    Trainer's FSDP2 mode (``fsdp=True, fsdp_config={"version": 2, "state_dict_type":
+    "SHARDED_STATE_DICT"}``; version 2 is transformers 5's default; without sharded checkpoints the
+    first save crashes) accelerate
     swaps the parameters for DTensors after the optimizer is built; HybridMuon chooses its strategy
     at the first step, so it shards its work over their mesh (the group is checked against it).
     FSDP1 is refused. The Trainer's DeepSpeed mode needs
@@ -171,8 +175,9 @@ def _check_trainer_mode(args: Any | None) -> None:
             raise NotImplementedError(
                 f"TrainingArguments has fsdp={args.fsdp!r} with fsdp_config version {version!r} (FSDP1): FSDP1 "
                 "flattens the parameters into 1-D buffers, so no matrix would be found for Muon. Use FSDP2: "
-                'fsdp_config={"version": 2} (the default in transformers 5), whose DTensor params HybridMuon '
-                "shards its work over at the first step."
+                'fsdp=True, fsdp_config={"version": 2, "state_dict_type": "SHARDED_STATE_DICT"} (version 2 is the '
+                "default in transformers 5; the sharded state dict keeps the first save from crashing), whose "
+                "DTensor params HybridMuon shards its work over at the first step."
             )
 
 
@@ -236,6 +241,31 @@ def _make_muon_trainer() -> type:
     return MuonTrainer
 
 
+def _make_muon_sft_trainer() -> type:
+    try:
+        from trl import SFTTrainer
+    except ImportError as e:
+        raise ImportError("muonkit.integrations.transformers.MuonSFTTrainer needs TRL: pip install trl") from e
+    muon_trainer: Any = globals()["MuonTrainer"] if "MuonTrainer" in globals() else __getattr__("MuonTrainer")
+
+    class MuonSFTTrainer(muon_trainer, SFTTrainer):
+        """TRL's ``SFTTrainer`` that trains with :class:`muonkit.HybridMuon` (``MuonTrainer``'s
+        ``muon_options`` and ``qk_clip``; everything else is the SFTTrainer's).
+
+        The optimizer is built when training starts, from the model as ``SFTTrainer`` left it: with
+        ``peft_config=`` that is the PEFT model, so the LoRA adapters train. (An optimizer built
+        beforehand and passed in ``optimizers=`` holds the base weights PEFT then freezes: it finds
+        no gradient, warns for a few steps and then raises.)::
+
+            from muonkit.integrations.transformers import MuonSFTTrainer
+
+            trainer = MuonSFTTrainer(model=model, args=sft_config, train_dataset=ds, peft_config=lora)
+            trainer.train()
+        """
+
+    return MuonSFTTrainer
+
+
 def _qk_clip_of(setting: bool | Mapping[str, Any] | QKClip | None, model: nn.Module) -> QKClip | None:
     if setting is None or setting is False:
         return None
@@ -256,5 +286,9 @@ def __getattr__(name: str) -> Any:
     if name == "MuonTrainer":
         cls = _make_muon_trainer()
         globals()["MuonTrainer"] = cls
+        return cls
+    if name == "MuonSFTTrainer":  # the same for TRL's SFTTrainer (imports trl)
+        cls = _make_muon_sft_trainer()
+        globals()["MuonSFTTrainer"] = cls
         return cls
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

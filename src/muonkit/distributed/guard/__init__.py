@@ -21,7 +21,8 @@ the policies below; :class:`CollectiveGuard` (:mod:`.ranks`) that of every commu
 strategy (the agreement, verdict flags AND-ed over ranks, the late checks and the failure
 channel, in its :class:`~muonkit.distributed.collectives.Collectives`); :class:`MeshGuard` adds
 what DTensor meshes need (gradients placed otherwise than their params, the fingerprints of
-plain params replicated beside tensor-parallel ones). The verdict's parts are in :mod:`.local`.
+plain params replicated beside tensor-parallel ones); :class:`ReplicaGuard` the fingerprints of
+plain params taken as DDP replicas without ``process_group=``. The verdict's parts are in :mod:`.local`.
 
 The verdict of :class:`muonkit.HybridMuon` (``nonfinite=``) has three policies, chosen per step
 by :meth:`Guard.before`:
@@ -43,6 +44,6 @@ A skipped step is counted in ``skipped_steps`` and logged on the ``muonkit.optim
 from __future__ import annotations
 
 from muonkit.distributed.guard.local import Guard, Stream, Verdict
-from muonkit.distributed.guard.ranks import CollectiveGuard, MeshGuard
+from muonkit.distributed.guard.ranks import CollectiveGuard, MeshGuard, ReplicaGuard
 
-__all__ = ["CollectiveGuard", "Guard", "MeshGuard", "Stream", "Verdict"]
+__all__ = ["CollectiveGuard", "Guard", "MeshGuard", "ReplicaGuard", "Stream", "Verdict"]

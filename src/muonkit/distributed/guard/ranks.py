@@ -65,9 +65,11 @@ if TYPE_CHECKING:
 __all__ = [
     "CollectiveGuard",
     "MeshGuard",
+    "ReplicaGuard",
     "Setting",
     "check_agreement",
     "encode",
+    "same_on_every_rank",
     "settings_of",
     "value_vector",
     "values_agree",
@@ -243,8 +245,63 @@ class MeshGuard(CollectiveGuard):
         super().agree(groups, configs, nonfinite=nonfinite)
         grads = [p.grad for p in self.replicated if p.grad is not None]
         if grads:
-            sums = torch.stack([g.detach().sum(dtype=torch.float64) for g in grads])
-            self.expect_equal("gradients of the plain params replicated beside the DTensors", sums)
+            self.expect_equal("gradients of the plain params replicated beside the DTensors", grad_sums(grads))
+
+
+REPLICA_GRADIENTS = "gradients (plain params taken as DDP replicas: every rank holds the same params)"
+
+
+class ReplicaGuard(CollectiveGuard):
+    """The guard of plain params read as DDP replicas without ``process_group=`` (chosen because
+    every rank holds the same params, :func:`muonkit.distributed.select_strategy`).
+
+    Same shapes do not make replicas: ranks that each train their own model, or pipeline stages
+    of equal shapes, hold params whose gradients differ. So every step the gradients' fingerprint
+    (their sums, in float64, computed on the device) rides with the non-finite verdict, as
+    :class:`MeshGuard` checks plain params beside tensor-parallel ones: gradients that differ raise
+    on every rank before anything changes (one step late with ``nonfinite="unchecked"``).
+    """
+
+    def agree(
+        self, groups: Sequence[Mapping[str, Any]], configs: Sequence[MuonConfig | AdamWConfig], *, nonfinite: str
+    ) -> None:
+        super().agree(groups, configs, nonfinite=nonfinite)
+        grads = [p.grad for g in groups for p in g["params"] if p.grad is not None]
+        if grads:
+            self.expect_equal(REPLICA_GRADIENTS, grad_sums(grads))
+
+
+def grad_sums(grads: Sequence[Tensor]) -> Tensor:
+    """The fingerprint of gradients every rank must share: each one's sum in float64, on the device."""
+    return torch.stack([g.detach().sum(dtype=torch.float64) for g in grads])
+
+
+def same_on_every_rank(comm: Collectives, setting: Setting) -> bool:
+    """Whether every rank of ``comm`` holds the same ``setting``: one tiny all_reduce MAX of
+    :func:`encode` on the host (as :meth:`CollectiveGuard.agree`), so every rank gets the same
+    answer and none raises alone. Every rank of the group must call it at the same point."""
+    comm.channel.begin()
+    try:
+        encoded = encode([setting], [])
+        group = comm.host_group
+        if group is None:  # no gloo: through the device, with a read
+            encoded = encoded.to(flag_device(comm.group))
+        comm.all_reduce(encoded, op=dist.ReduceOp.MAX, group=group)
+        got = encoded.cpu().tolist()
+    finally:
+        comm.channel.end()
+    return got[0] + got[len(got) // 2] == 0  # max == min
+
+
+_ADVICE = {
+    REPLICA_GRADIENTS: (
+        "HybridMuon took the params for DDP replicas because every rank holds the same shapes and no "
+        "process_group= was given. Wrap the model in DistributedDataParallel (accelerate, Lightning and "
+        "torchrun scripts do), pass strategy=muonkit.distributed.SingleDeviceStrategy() if each rank trains "
+        "its own model, or process_group= the group of the ranks that average their gradients (a pipeline "
+        "stage's data-parallel group)"
+    ),
+}
 
 
 def _values_differ(name: str, *, late: bool) -> ValueError:
@@ -254,10 +311,12 @@ def _values_differ(name: str, *, late: bool) -> ValueError:
         if late
         else ""
     )
-    return ValueError(
-        f"HybridMuon's {name} differ across ranks{when}. Every rank must step the same values: average "
-        "them over the ranks that share them (e.g. leave the module inside the data-parallel wrapper)"
+    advice = _ADVICE.get(
+        name,
+        "Every rank must step the same values: average them over the ranks that share them (e.g. leave the "
+        "module inside the data-parallel wrapper)",
     )
+    return ValueError(f"HybridMuon's {name} differ across ranks{when}. {advice}")
 
 
 # ---------------------------------------------------------------- the agreement
