@@ -242,7 +242,8 @@ def tensor_jobs(
     ``experts`` stack (its pieces: where each holder stores it, ``Expert(k)``: the k-th matrix of
     its local stack), each ``split_sizes`` block (rows ``[a, b)``: a holder's rows of it lie
     contiguously in its local tensor, at ``At(offset)``), else the whole tensor; a transposed
-    tensor with ``split_sizes`` is one job (its blocks are columns of the storage). Empty pieces
+    tensor with ``split_sizes`` is one job (its blocks are columns of the storage), and so is a
+    column split (``split_along="cols"``: its blocks are columns of the matrix). Empty pieces
     are left out; a param with no elements has no job.
 
     Whole tensors and experts get :class:`~muonkit.distributed.pieces.Pieces` over one
@@ -255,7 +256,7 @@ def tensor_jobs(
         return []
     kind = layout.resolved(len(shape))
     table = _table(_ById(holders))
-    if kind == "transposed" or (kind != "experts" and layout.split_sizes is None):
+    if kind == "transposed" or layout.splits_cols or (kind != "experts" and layout.split_sizes is None):
         return [Job(tensor, shape, layout, Pieces(table.whole))]
     if kind == "experts":
         units = [(shape[-2:], pieces) for pieces in table.experts(shape)]
