@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from muonkit.distributed.base import full_shape
-from muonkit.functional.matrices import LAYOUT_KINDS
+from muonkit.functional.matrices import LAYOUT_KINDS, MatrixLayout
 from muonkit.per_head import describe, head_splits
 
 _HEAD_NAMES = {"lm_head", "head", "classifier", "score", "qa_outputs", "output", "output_layer"}
@@ -75,12 +75,15 @@ class Rule:
     layout: str = "auto"
     split_sizes: tuple[int, ...] | None = None
     reason: str = ""
+    split_along: str = "rows"
+    """``"cols"``: ``split_sizes`` cuts the matrices' columns (a per-head output projection)."""
 
     def __post_init__(self) -> None:
         if self.algorithm not in ROUTED:
             raise ValueError(f"Invalid algorithm={self.algorithm!r} in rule {self.pattern!r}: must be one of {ROUTED}")
         if self.layout not in LAYOUT_KINDS:
             raise ValueError(f"Invalid layout={self.layout!r} in rule {self.pattern!r}: must be one of {LAYOUT_KINDS}")
+        MatrixLayout(self.layout, self.split_sizes, self.split_along)  # type: ignore[arg-type]  # raises on a bad split
         try:
             re.compile(self.pattern)
         except re.error as e:
@@ -183,7 +186,13 @@ def _route_one(
     for rule in user_rules:
         if re.search(rule.pattern, name):
             return Route(
-                name, shape, rule.algorithm, rule.reason or f"rule {rule.pattern!r}", rule.layout, rule.split_sizes
+                name,
+                shape,
+                rule.algorithm,
+                rule.reason or f"rule {rule.pattern!r}",
+                rule.layout,
+                rule.split_sizes,
+                rule.split_along,
             )
     leaf = module_name.rsplit(".", 1)[-1].lower()
     cls = type(module).__name__

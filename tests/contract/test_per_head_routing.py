@@ -162,3 +162,18 @@ def test_one_routed_step_matches_the_per_head_reference(build: Any, adjust_lr: s
             torch.testing.assert_close(after, before[name] - 0.1 * d, rtol=0, atol=1e-10, msg=name)
             checked += 1
     assert checked >= 2
+
+
+def test_entry_points_pass_per_head_on() -> None:
+    from muonkit.integrations.deepspeed_config import MuonkitOptions
+    from muonkit.integrations.transformers import make_optimizer
+
+    opt = make_optimizer(_llama(), per_head=True)
+    along = {n: g.get("split_along", "rows") for g in opt.param_groups for n in g["param_names"]}
+    assert along["model.layers.0.self_attn.o_proj.weight"] == "cols"
+    options = MuonkitOptions.from_params({"per_head": True, "heads": 2})
+    groups = muonkit.param_groups(HandAttention(), **options.param_groups_kwargs())
+    assert {g.get("split_along", "rows"): g["split_sizes"] for g in groups if g["algorithm"] == "muon"} == {
+        "rows": (16,) * 6,
+        "cols": (16,) * 2,
+    }
