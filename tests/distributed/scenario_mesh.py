@@ -337,7 +337,7 @@ class _Attention(nn.Module):
         self.o_proj = nn.Linear(16, 16, bias=False)
 
 
-def _tp_attention(ctx: Context, per_head: bool) -> tuple[list[str], int]:
+def _tp_attention(ctx: Context, per_head: bool, algorithm: str = "muon") -> tuple[list[str], int]:
     """3 steps of per-head (or whole-matrix) Muon on Q/K/V colwise and O rowwise over a 4-rank TP mesh
     beside one device: what differs, and how many jobs the plans move (gather to an owner or return)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -348,9 +348,10 @@ def _tp_attention(ctx: Context, per_head: bool) -> tuple[list[str], int]:
     plan = {"q_proj": ColwiseParallel(), "k_proj": ColwiseParallel(), "v_proj": ColwiseParallel()}
     model = parallelize_module(_Attention(), mesh, {**plan, "o_proj": RowwiseParallel()})
     ref = _Attention()
-    opt = muonkit.HybridMuon(muonkit.param_groups(model, per_head=per_head))
+    opt = muonkit.HybridMuon(muonkit.param_groups(model, per_head=per_head, muon_algorithm=algorithm))
     ref_opt = muonkit.HybridMuon(
-        muonkit.param_groups(ref, per_head=per_head), strategy=muonkit.distributed.SingleDeviceStrategy()
+        muonkit.param_groups(ref, per_head=per_head, muon_algorithm=algorithm),
+        strategy=muonkit.distributed.SingleDeviceStrategy(),
     )
     initial = Snapshot.of(ref, ref_opt)
     for step in range(3):
@@ -379,4 +380,6 @@ def tp_per_head_attention_moves_nothing_and_matches_single_device(ctx: Context) 
     whole_problems, whole_moved = _tp_attention(ctx, per_head=False)
     assert not whole_problems, "whole matrices under TP:\n" + "\n".join(whole_problems)
     assert moved == 0, f"{moved} per-head jobs travel under TP"
+    normuon_problems, normuon_moved = _tp_attention(ctx, per_head=True, algorithm="normuon")  # row moments per head
+    assert not normuon_problems and normuon_moved == 0, "NorMuon per head under TP:\n" + "\n".join(normuon_problems)
     assert whole_moved == 4, f"{whole_moved} whole matrices travel, expected Q, K, V and O"
