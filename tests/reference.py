@@ -107,23 +107,32 @@ def muon_direction(
     *,
     layout: str = "auto",
     split_sizes: Sequence[int] | None = None,
+    split_along: str = "rows",
     schedule: Sequence[tuple[float, float, float]],
     norm_factor: float,
     eps: float,
     adjust_lr: str | None,
 ) -> Tensor:
-    """scale(rows, cols) * NS(block) for every matrix block of one tensor, reassembled."""
+    """scale(rows, cols) * NS(block) for every matrix block of one tensor, reassembled.
+
+    Blocks: ``split_sizes`` rows each (``split_along="rows"``) or columns each (``"cols"``: the
+    matrix transposed, cut into row blocks, each block transposed back)."""
     out = []
     for mat in as_matrices(u, layout):
-        sizes = [mat.shape[0]] if split_sizes is None else list(split_sizes)
+        cols = split_along == "cols"
+        work = mat.T if cols else mat
+        sizes = [work.shape[0]] if split_sizes is None else list(split_sizes)
         blocks = []
         start = 0
         for rows in sizes:
-            block = mat[start : start + rows]
+            block = work[start : start + rows]
             start += rows
+            block = block.T if cols else block  # in the matrix's own orientation
             o = newton_schulz(block, schedule, norm_factor, eps)
-            blocks.append(lr_scale(adjust_lr, block.shape[0], block.shape[1]) * o)
-        out.append(torch.cat(blocks, dim=0))
+            o = lr_scale(adjust_lr, block.shape[0], block.shape[1]) * o
+            blocks.append(o.T if cols else o)
+        whole = torch.cat(blocks, dim=0)
+        out.append(whole.T if cols else whole)
     return from_matrices(out, tuple(u.shape), layout)
 
 
@@ -169,6 +178,7 @@ class ReferenceHybridMuon:
             u,
             layout=hp.get("layout", "auto"),
             split_sizes=hp.get("split_sizes"),
+            split_along=hp.get("split_along", "rows"),
             schedule=hp["schedule"],
             norm_factor=hp["norm_factor"],
             eps=hp["eps"],

@@ -53,6 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="a Hugging Face config.json (or its folder), or 'gpt2' (GPT-2 124M); built on the meta device, no weights",
     )  # fmt: skip
     inspect.add_argument("--split-qkv", action="store_true", help="split fused QKV projections into Q, K, V blocks")
+    inspect.add_argument(
+        "--per-head", action="store_true", help="orthogonalize attention projections per head (shows each split)"
+    )
+    inspect.add_argument("--heads", type=int, help="with --per-head: the head count (default: read from the model)")
+    inspect.add_argument("--head-dim", type=int, help="with --per-head: the head size (default: read from the model)")
     inspect.add_argument("--json", metavar="PATH", help="also write the report as JSON")
     plan = commands.add_parser(
         "plan", help=command.HELP, description=command.DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -87,7 +92,12 @@ def _inspect(args: argparse.Namespace) -> int:
     else:
         raise SystemExit(f"muonkit inspect: {args.model!r} is neither 'gpt2' nor a path to a Hugging Face config.json")
     model = model_from_config(config)
-    report = explain(model, split_qkv=args.split_qkv)
+    try:
+        report = explain(
+            model, split_qkv=args.split_qkv, per_head=args.per_head, heads=args.heads, head_dim=args.head_dim
+        )
+    except ValueError as e:
+        raise SystemExit(f"muonkit inspect: {e}") from None
     print(report)
     if args.json:
         with open(args.json, "w") as f:

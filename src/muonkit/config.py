@@ -17,7 +17,7 @@ import torch
 from muonkit.defaults import DEFAULTS, TORCH_MUON_DEFAULTS, Defaults  # noqa: F401 (their home before muonkit.defaults)
 from muonkit.functional.coefficients import as_schedule, resolve_preset
 from muonkit.functional.lr_scaling import ADJUST_LR_CHOICES
-from muonkit.functional.matrices import LAYOUT_KINDS, MatrixLayout
+from muonkit.functional.matrices import LAYOUT_KINDS, SPLIT_ALONG, MatrixLayout
 from muonkit.functional.muon import NSOptions, once
 from muonkit.functional.orthogonalize import METHODS, default_compute_dtype, orthogonalization_flops
 from muonkit.functional.rules import RULES, rule_keywords, rule_of
@@ -36,7 +36,7 @@ MATRIX_ALGORITHMS: tuple[str, ...] = tuple(RULES)
 ALGORITHMS: tuple[str, ...] = (*MATRIX_ALGORITHMS, "adamw")
 MUON_KEYS = (
     "lr", "momentum", "nesterov", "ns_coefficients", "ns_steps", "eps", "weight_decay",
-    "adjust_lr", "layout", "split_sizes", "ns_dtype", "ns_method", "cautious_wd", "ns_compile",
+    "adjust_lr", "layout", "split_sizes", "split_along", "ns_dtype", "ns_method", "cautious_wd", "ns_compile",
 )  # fmt: skip
 RULE_KEYS: dict[str, tuple[str, ...]] = {name: rule.keys(MUON_KEYS) for name, rule in RULES.items()}
 """Each update rule's group keys: Muon's and the rule's own (:attr:`UpdateRule.hyperparameters`)."""
@@ -187,6 +187,11 @@ def _muon_config(g: Mapping[str, Any], algorithm: str = "muon") -> MuonConfig:
     if split is not None and (isinstance(split, str) or not isinstance(split, Sequence)):
         raise ValueError(f"Invalid split_sizes={split!r}: must be None or a non-empty sequence of positive row counts")
     split_sizes = None if split is None else tuple(_positive_int("split_sizes", s) for s in split)
+    split_along = g.get("split_along", "rows")  # routing's, per group (a per-head output projection: "cols")
+    if split_along not in SPLIT_ALONG:
+        raise ValueError(f"Invalid split_along={split_along!r}: must be one of {SPLIT_ALONG}")
+    if split_along == "cols" and split_sizes is None:
+        raise ValueError("Invalid split_along='cols' with split_sizes=None: a column split needs split_sizes")
     ns_dtype = _ns_dtype("ns_dtype", g["ns_dtype"])
     ns_method = g.get("ns_method", "gram")
     if ns_method not in METHODS:
@@ -200,7 +205,7 @@ def _muon_config(g: Mapping[str, Any], algorithm: str = "muon") -> MuonConfig:
         eps=_eps("eps", g["eps"], kind="newton_schulz"),
         weight_decay=_nonneg("weight_decay", g["weight_decay"]),
         adjust_lr=adjust_lr,
-        layout=MatrixLayout(layout, split_sizes),
+        layout=MatrixLayout(layout, split_sizes, split_along),
         ns_dtype=ns_dtype,
         ns_method=ns_method,
         cautious_wd=_bool("cautious_wd", g.get("cautious_wd", DEFAULTS.cautious_wd)),

@@ -28,6 +28,9 @@ def param_groups(
     adamw_weight_decay: float | None = None,
     rules: Sequence[RuleLike] | Mapping[str, str] | None = None,
     split_qkv: bool = False,
+    per_head: bool = False,
+    heads: int | None = None,
+    head_dim: int | None = None,
     muon_algorithm: str = "muon",
     muon_options: Mapping[str, Any] | None = None,
     adamw_options: Mapping[str, Any] | None = None,
@@ -46,6 +49,11 @@ def param_groups(
     ``muon_algorithm``: the algorithm of the matrix groups, ``"muon"`` or another update rule of
     :data:`muonkit.functional.rules.RULES` (routed exactly like Muon; the rule's own keys, such as
     its ``beta2`` and ``eps``, go in ``muon_options``): see ``docs/`` for each rule.
+
+    ``per_head``: each attention projection a batch of per-head matrices (Q, K, V rows by head,
+    the output projection's columns by head, MLA's per-head blocks; :mod:`muonkit.per_head`), its
+    lr shape scale that of a head's matrix; ``heads`` / ``head_dim`` override the head count and
+    size read from the model. ``explain(model, per_head=True)`` shows each split.
     """
     if muon_algorithm not in MATRIX_ALGORITHMS:
         raise ValueError(f"Invalid muon_algorithm={muon_algorithm!r}: must be one of {MATRIX_ALGORITHMS}")
@@ -58,11 +66,11 @@ def param_groups(
         "muon": {**_given(lr=lr, weight_decay=weight_decay), **(muon_options or {})},
         "adamw": {**_given(lr=adamw_lr, weight_decay=adamw_weight_decay), **(adamw_options or {})},
     }
-    routes = route(model, rules=rules, split_qkv=split_qkv)
+    routes = route(model, rules=rules, split_qkv=split_qkv, per_head=per_head, heads=heads, head_dim=head_dim)
     named = dict(model.named_parameters())
     groups: dict[tuple[Any, ...], dict[str, Any]] = {}
     for r in routes:
-        key = (r.algorithm, r.layout, r.split_sizes)
+        key = (r.algorithm, r.layout, r.split_sizes, r.split_along)
         if key not in groups:
             routed = _routed(r) | ({"algorithm": muon_algorithm} if r.algorithm == "muon" else {})
             groups[key] = {"params": [], "param_names": [], **routed, **options[r.algorithm]}
@@ -104,7 +112,8 @@ def _given(**hyperparameters: Any) -> dict[str, Any]:
 def _routed(r: Route) -> dict[str, Any]:
     """The group keys routing decides for ``r``."""
     if r.algorithm == "muon":
-        return {"algorithm": "muon", "layout": r.layout, "split_sizes": r.split_sizes}
+        along = {"split_along": r.split_along} if r.split_along != "rows" else {}  # rows: the groups' default
+        return {"algorithm": "muon", "layout": r.layout, "split_sizes": r.split_sizes, **along}
     return {"algorithm": r.algorithm}
 
 
@@ -202,9 +211,14 @@ def explain(
     *,
     rules: Sequence[RuleLike] | Mapping[str, str] | None = None,
     split_qkv: bool = False,
+    per_head: bool = False,
+    heads: int | None = None,
+    head_dim: int | None = None,
 ) -> RoutingReport:
-    """Where each tensor of ``model`` goes (name, shape, algorithm, reason) and the totals."""
-    return RoutingReport(tuple(route(model, rules=rules, split_qkv=split_qkv)))
+    """Where each tensor of ``model`` goes (name, shape, algorithm, reason) and the totals;
+    ``per_head`` (see :func:`param_groups`) adds each split to the reason: ``per head: 12 x (64, 768)``."""
+    routes = route(model, rules=rules, split_qkv=split_qkv, per_head=per_head, heads=heads, head_dim=head_dim)
+    return RoutingReport(tuple(routes))
 
 
 def _gib(n: int) -> str:

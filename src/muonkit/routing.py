@@ -29,7 +29,8 @@ import torch
 from torch import nn
 
 from muonkit.distributed.base import full_shape
-from muonkit.functional.matrices import LAYOUT_KINDS
+from muonkit.functional.matrices import LAYOUT_KINDS, MatrixLayout
+from muonkit.per_head import describe, head_splits
 
 _HEAD_NAMES = {"lm_head", "head", "classifier", "score", "qa_outputs", "output", "output_layer"}
 _ROUTER_NAMES = {"gate", "router"}
@@ -74,12 +75,15 @@ class Rule:
     layout: str = "auto"
     split_sizes: tuple[int, ...] | None = None
     reason: str = ""
+    split_along: str = "rows"
+    """``"cols"``: ``split_sizes`` cuts the matrices' columns (a per-head output projection)."""
 
     def __post_init__(self) -> None:
         if self.algorithm not in ROUTED:
             raise ValueError(f"Invalid algorithm={self.algorithm!r} in rule {self.pattern!r}: must be one of {ROUTED}")
         if self.layout not in LAYOUT_KINDS:
             raise ValueError(f"Invalid layout={self.layout!r} in rule {self.pattern!r}: must be one of {LAYOUT_KINDS}")
+        MatrixLayout(self.layout, self.split_sizes, self.split_along)  # type: ignore[arg-type]  # raises on a bad split
         try:
             re.compile(self.pattern)
         except re.error as e:
@@ -96,6 +100,7 @@ class Route:
     reason: str
     layout: str = "auto"
     split_sizes: tuple[int, ...] | None = None
+    split_along: str = "rows"
 
     @property
     def numel(self) -> int:
@@ -132,19 +137,38 @@ def lora_rules(routing: str) -> tuple[Rule, ...]:
 
 
 def route(
-    model: nn.Module, *, rules: Sequence[RuleLike] | Mapping[str, str] | None = None, split_qkv: bool = False
+    model: nn.Module,
+    *,
+    rules: Sequence[RuleLike] | Mapping[str, str] | None = None,
+    split_qkv: bool = False,
+    per_head: bool = False,
+    heads: int | None = None,
+    head_dim: int | None = None,
 ) -> list[Route]:
-    """The route of every trainable parameter of ``model``, in ``named_parameters`` order."""
+    """The route of every trainable parameter of ``model``, in ``named_parameters`` order.
+
+    ``per_head``: attention projections routed to Muon as matrices split by head
+    (:mod:`muonkit.per_head`; ``heads`` / ``head_dim`` override what the model says); a tensor a
+    user rule matched keeps the rule's layout.
+    """
+    if not per_head and (heads is not None or head_dim is not None):
+        raise ValueError(f"heads={heads!r} / head_dim={head_dim!r} are per-head settings: pass per_head=True")
     user_rules = _as_rules(rules)
-    heads = _output_head_ids(model)
+    output_heads = _output_head_ids(model)
     owners = _owning_modules(model)
     config = getattr(model, "config", None)
+    splits = head_splits(model, heads=heads, head_dim=head_dim) if per_head else {}
     routes = []
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
         module_name, module = owners[name]
-        routes.append(_route_one(name, p, module_name, module, user_rules, heads, split_qkv, config))
+        r = _route_one(name, p, module_name, module, user_rules, output_heads, split_qkv, config)
+        split = splits.get(name)
+        if split is not None and r.algorithm == "muon" and not any(re.search(u.pattern, name) for u in user_rules):
+            reason = r.reason.split(", fused QKV split", 1)[0] + ", " + describe(split, r.shape, r.layout)
+            r = Route(name, r.shape, "muon", reason, r.layout, split.split_sizes, split.split_along)
+        routes.append(r)
     return routes
 
 
@@ -162,7 +186,13 @@ def _route_one(
     for rule in user_rules:
         if re.search(rule.pattern, name):
             return Route(
-                name, shape, rule.algorithm, rule.reason or f"rule {rule.pattern!r}", rule.layout, rule.split_sizes
+                name,
+                shape,
+                rule.algorithm,
+                rule.reason or f"rule {rule.pattern!r}",
+                rule.layout,
+                rule.split_sizes,
+                rule.split_along,
             )
     leaf = module_name.rsplit(".", 1)[-1].lower()
     cls = type(module).__name__

@@ -81,6 +81,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     hyper.add_argument("--grad-clip", type=float)
     hyper.add_argument("--split-qkv", action="store_true", help="orthogonalize Q, K, V blocks of c_attn separately")
     hyper.add_argument(
+        "--per-head", action="store_true", help="orthogonalize attention per head (c_attn rows, c_proj columns)"
+    )
+    hyper.add_argument(
         "--autocast",
         choices=("auto", "bf16", "none"),
         default="auto",
@@ -110,6 +113,8 @@ def build_configs(args: argparse.Namespace) -> tuple[dict[str, Any], Any]:
     run = {**preset["run"], **{k: getattr(args, k) for k in _RUN_FLAGS if getattr(args, k, None) is not None}}
     if args.split_qkv:
         run["split_qkv"] = True
+    if getattr(args, "per_head", False):
+        run["per_head"] = True
     run["autocast"] = autocast_choice(args)
     # The vocabulary is known once the corpus exists; GPTConfig is rebuilt then (main()).
     return corpus, RunConfig(model=GPTConfig(vocab_size=corpus["vocab_size"], **model), **run)

@@ -124,10 +124,10 @@ class Harness:
         self.n_params = sum(p.numel() for p in self.params)
         self.n_muon = sum(p.numel() for g in groups if g["algorithm"] == "muon" for p in g["params"])
 
-    def groups(self) -> list[dict[str, Any]]:
+    def groups(self, *, per_head: bool = False) -> list[dict[str, Any]]:
         import muonkit
 
-        return muonkit.param_groups(self.model, lr=MUON_LR)
+        return muonkit.param_groups(self.model, lr=MUON_LR, per_head=per_head)
 
     def reset(self) -> None:
         import torch
@@ -153,20 +153,23 @@ class Harness:
         if self.device.startswith("cuda"):
             torch.cuda.synchronize()
 
-    def run(self, build: Any, *, warmup: int, repeats: int, muon: bool = True) -> dict[str, Any]:
-        """Build from fresh groups, measure the first step's error and the second's scratch memory,
+    def run(
+        self, build: Any, *, warmup: int, repeats: int, muon: bool = True, per_head: bool = False
+    ) -> dict[str, Any]:
+        """Build from fresh groups (attention per head with ``per_head``: no error measured, its
+        matrices are the heads), measure the first step's error and the second's scratch memory,
         then time ``repeats`` steps."""
         import torch
 
         from muonkit.testing import LiveBytes
 
         self.reset()
-        opt = build(self.groups())
+        opt = build(self.groups(per_head=per_head))
         self.load_grads()
         before = {i: self.params[i].detach().clone() for i in self.probes}
         opt.step()
         errors = {}
-        if muon:
+        if muon and not per_head:
             for i in self.probes:
                 p = self.params[i]
                 scale = math.sqrt(max(1.0, p.shape[0] / p.shape[1]))  # every peer here uses Keller's
@@ -180,6 +183,7 @@ class Harness:
             opt.step()
         self.load_grads()
         counts = self.count(opt)
+        work = _work(opt)
         times = []
         for _ in range(repeats):
             self.load_grads()
@@ -188,9 +192,10 @@ class Harness:
             opt.step()
             self.sync()
             times.append(time.perf_counter() - start)
+        work_per_step = _per_step(work, _work(opt), repeats)
         del opt
         torch.cuda.empty_cache() if self.device.startswith("cuda") else None
-        summary = {"times_s": times, **_time_summary(times), **counts, "scratch_bytes": live.peak}
+        summary = {"times_s": times, **_time_summary(times), **counts, "scratch_bytes": live.peak, **work_per_step}
         return {**summary, "errors": errors, **_error_summary(errors)}
 
     def count(self, opt: Any) -> dict[str, int | None]:
@@ -203,6 +208,18 @@ class Harness:
             logger.warning("could not count the ops of a step: %s", e)
             return {"aten_calls": None, "host_reads": None}
         return {"aten_calls": counts.calls, "host_reads": counts.reads}
+
+
+def _work(opt: Any) -> tuple[int, int] | None:
+    """HybridMuon's cumulative orthogonalized matrices and their matrix-product FLOPs (None for a peer)."""
+    stats = getattr(getattr(opt, "strategy", None), "stats", None)
+    return None if stats is None else (int(stats.matrices), int(stats.flops))
+
+
+def _per_step(before: tuple[int, int] | None, after: tuple[int, int] | None, steps: int) -> dict[str, int | None]:
+    if before is None or after is None:
+        return {"matrices": None, "flops": None}
+    return {"matrices": (after[0] - before[0]) // steps, "flops": (after[1] - before[1]) // steps}
 
 
 def _time_summary(times: list[float]) -> dict[str, float]:
@@ -232,6 +249,12 @@ def compare_peers(h: Harness, args: argparse.Namespace) -> dict[str, Any]:
             "notes": peer.notes,
             **h.run(peer.build, warmup=args.warmup, repeats=args.repeats, muon=not name.startswith("adamw")),
         }
+        if args.per_head and name.startswith("hybrid_muon"):
+            logger.info("%s: %s per head", h.name, name)
+            rows[f"{name}+per_head"] = {
+                "notes": f"{peer.notes}; attention per head (param_groups(per_head=True))",
+                **h.run(peer.build, warmup=args.warmup, repeats=args.repeats, per_head=True),
+            }
     return rows
 
 
@@ -304,17 +327,19 @@ def format_peers(model: str, rows: dict[str, Any], *, base: str = "hybrid_muon")
     adamw = rows.get("adamw")
     lines = [
         f"{model}: optimizer step (ms: median [min, max]); ratio = median / {base}'s; error on the first step",
-        f"{'method':<19} {'median':>9} {'[min':>9} {'max]':>9} {'ratio':>6} {'vs AdamW':>9} {'calls':>6} {'reads':>5}"
-        f"  {'max|s-1|':>9}  {'mean|s-1|':>9}  {'polar':>7}  {'scratch MiB':>11}",
+        f"{'method':<24} {'median':>9} {'[min':>9} {'max]':>9} {'ratio':>6} {'vs AdamW':>9} {'calls':>6} {'reads':>5}"
+        f"  {'max|s-1|':>9}  {'mean|s-1|':>9}  {'polar':>7}  {'scratch MiB':>11} {'matrices':>8} {'GFLOP':>7}",
     ]
     for name, r in rows.items():
         vs_adamw = f"{r['median_s'] / adamw['median_s']:8.1f}x" if adamw else f"{'-':>9}"
+        work = f"{'-':>8} {'-':>7}" if r.get("flops") is None else f"{r['matrices']:>8} {r['flops'] / 1e9:7.2f}"
         lines.append(
-            f"{name:<19} {r['median_s'] * 1e3:9.1f} {r['min_s'] * 1e3:9.1f} {r['max_s'] * 1e3:9.1f} "
+            f"{name:<24} {r['median_s'] * 1e3:9.1f} {r['min_s'] * 1e3:9.1f} {r['max_s'] * 1e3:9.1f} "
             f"{r['median_s'] / ref['median_s']:6.2f} {vs_adamw} {_fmt_counts(r)}  {_fmt_err(r)}"
-            f"  {r['scratch_bytes'] / 2**20:11.1f}"
+            f"  {r['scratch_bytes'] / 2**20:11.1f} {work}"
         )
     lines.append("calls: aten ops of one step (kernel launches on a GPU); reads: blocking device-to-host reads")
+    lines.append("matrices, GFLOP: orthogonalized per step and their matrix-product FLOPs (HybridMuon's own count)")
     return "\n".join(lines)
 
 
@@ -344,6 +369,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--presets", default="keller,you,polar_express", help="presets for the second table")
     parser.add_argument("--ns-steps", default="3,4,5,6,7,8", help="Newton-Schulz step counts for the second table")
     parser.add_argument("--no-presets", action="store_true", help="skip the second table")
+    parser.add_argument(
+        "--per-head", action="store_true", help="also run each HybridMuon peer with attention per head (+per_head rows)"
+    )
     parser.add_argument("--grads", choices=("random", "backward"), default="random")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps (the first also gives the error)")
     parser.add_argument("--repeats", type=int, default=5, help="timed steps")

@@ -99,6 +99,7 @@ class RunConfig:
         adamw_weight_decay: AdamW weight decay on 2D tensors (never on norms and biases).
         betas, adamw_eps: AdamW moments, for the baseline and HybridMuon's AdamW groups alike.
         momentum, ns_coefficients, adjust_lr, split_qkv: Muon settings (muonkit's defaults).
+        per_head: attention projections orthogonalized per head (``param_groups(per_head=True)``).
         steps, batch_size: optimizer steps and sequences per step (tokens/step = batch * block).
         warmup_frac, decay_frac: schedule fractions (see the module docstring).
         grad_clip: clip the global gradient norm to this before every step (None: no clipping).
@@ -125,6 +126,7 @@ class RunConfig:
     ns_coefficients: str = "polar_express"
     adjust_lr: str | None = "keller"
     split_qkv: bool = False
+    per_head: bool = False
     steps: int = 600
     batch_size: int = 16
     warmup_frac: float = 0.05
@@ -267,6 +269,7 @@ def build_optimizer(model: nn.Module, config: RunConfig) -> torch.optim.Optimize
         weight_decay=config.weight_decay,
         adamw_weight_decay=config.adamw_weight_decay,
         split_qkv=config.split_qkv,
+        per_head=config.per_head,
         muon_options=muon,
         adamw_options=adamw,
     )

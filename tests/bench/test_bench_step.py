@@ -67,6 +67,7 @@ def test_cli_smoke(tmp_path: Path) -> None:
             assert 0 <= r["mean_abs_s_minus_1"] < 1 and r["polar"] < 1
     presets = data["models"]["tiny"]["presets"]
     assert set(presets) == {"kellerx3", "kellerx5", "polar_expressx3", "polar_expressx5"}
+    assert rows["hybrid_muon"]["matrices"] == 2 * 4  # tiny: 2 layers of c_attn, c_proj, c_fc, c_proj
     # more steps move the singular values closer to 1 on average (a property of the polynomials)
     assert presets["polar_expressx5"]["mean_abs_s_minus_1"] < presets["polar_expressx3"]["mean_abs_s_minus_1"]
 
@@ -95,3 +96,15 @@ def test_compiled_peers_step_like_their_eager_selves() -> None:
             finals.append([p.detach() for p in params])
         assert all(torch.equal(a, b) for a, b in zip(*finals, strict=True)), name
         assert not torch.equal(finals[0][0], torch.randn(8, 16, generator=torch.Generator().manual_seed(0)))
+
+
+def test_cli_per_head_rows(tmp_path: Path) -> None:
+    """``--per-head`` adds a HybridMuon row with attention per head: more, smaller matrices, fewer FLOPs."""
+    argv = ["bench", "step", "--models", "tiny", "--warmup", "1", "--repeats", "1", "--out", str(tmp_path)]
+    argv += ["--methods", "hybrid_muon", "--no-presets", "--per-head"]
+    assert main(argv) == 0
+    rows = json.loads((tmp_path / "step.json").read_text())["models"]["tiny"]["peers"]
+    whole, heads = rows["hybrid_muon"], rows["hybrid_muon+per_head"]
+    assert heads["matrices"] == 2 * (3 * 2 + 2 + 2)  # per layer: c_attn 6 heads' rows, c_proj 2 heads, the MLP's 2
+    assert heads["flops"] < whole["flops"]
+    assert heads["polar"] is None  # per-head matrices are not the whole matrix's polar factor

@@ -50,6 +50,16 @@ def test_inspect_gpt2_split_qkv(tmp_path: Path) -> None:
     assert "split" not in reasons["transformer.h.0.attn.c_proj.weight"]
 
 
+def test_inspect_gpt2_per_head(tmp_path: Path) -> None:
+    report = _inspect(["gpt2", "--per-head"], tmp_path)
+    reasons = {t["name"]: t["reason"] for t in report["tensors"]}
+    assert reasons["transformer.h.0.attn.c_attn.weight"].endswith("per head: 36 x (64, 768)")
+    assert reasons["transformer.h.0.attn.c_proj.weight"].endswith("per head: 12 x (768, 64)")
+    assert "per head" not in reasons["transformer.h.0.mlp.c_proj.weight"]
+    with pytest.raises(SystemExit, match=r"per-head settings: pass per_head=True"):
+        main(["inspect", "gpt2", "--heads", "6"])
+
+
 def test_inspect_refuses_what_it_cannot_build(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match=r"'gpt' is neither 'gpt2' nor a path to a Hugging Face config.json"):
         main(["inspect", "gpt"])

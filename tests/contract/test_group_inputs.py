@@ -159,7 +159,7 @@ def test_bad_numbers_of_any_type_are_refused(key: str, value: Any, message: str)
 
 # ---------------------------------------------------------------------------- unknown keys
 
-MUON_LIST = "('lr', 'momentum', 'nesterov', 'ns_coefficients', 'ns_steps', 'eps', 'weight_decay', 'adjust_lr', 'layout', 'split_sizes', 'ns_dtype', 'ns_method', 'cautious_wd', 'ns_compile')"
+MUON_LIST = "('lr', 'momentum', 'nesterov', 'ns_coefficients', 'ns_steps', 'eps', 'weight_decay', 'adjust_lr', 'layout', 'split_sizes', 'split_along', 'ns_dtype', 'ns_method', 'cautious_wd', 'ns_compile')"
 ALLOWED = (
     f": Muon groups take {MUON_LIST}, NorMuon groups also 'beta2', "
     "AdamW groups ('lr', 'betas', 'eps', 'weight_decay', 'cautious_wd')"

@@ -23,8 +23,8 @@ from muonkit.functional.muon import muon_directions
 TOL = 1e-12
 
 
-def _config(layout: str = "auto", split_sizes: tuple[int, ...] | None = None) -> MuonConfig:
-    group = {
+def _config(layout: str = "auto", split_sizes: tuple[int, ...] | None = None, split_along: str = "rows") -> MuonConfig:
+    group = {"split_along": split_along,
         "algorithm": "muon", "lr": 0.02, "momentum": 0.95, "nesterov": True, "ns_coefficients": "polar_express",
         "ns_steps": None, "eps": 1e-7, "weight_decay": 0.0, "adjust_lr": "keller", "layout": layout,
         "split_sizes": split_sizes, "ns_dtype": torch.float64, "ns_method": "newton_schulz",
@@ -138,6 +138,12 @@ def per_param_experts_and_split_blocks(ctx: Context) -> None:
     _compare(split, _config("matrix", (3, 3, 3)), ctx)
     gpt2 = per_param_partition(names=_names(1), shapes=[(18, 6)], world_size=ctx.world_size)
     _compare(gpt2, _config("transposed", (2, 2, 2)), ctx)
+    heads = contiguous_partition(  # per-head output projections (column blocks), straddling partitions
+        names=_names(2), shapes=[(5, 12), (7, 12)], offsets=[0, 60], partition_size=36, world_size=ctx.world_size
+    )
+    _compare(heads, _config("matrix", (4, 4, 4), "cols"), ctx)
+    conv1d_heads = per_param_partition(names=_names(1), shapes=[(8, 6)], world_size=ctx.world_size)
+    _compare(conv1d_heads, _config("transposed", (4, 4), "cols"), ctx)
 
 
 @check

@@ -29,7 +29,14 @@ def test_split_moves_the_section_out_and_allows_the_client_optimizer() -> None:
     assert options is not None
     kwargs = options.optimizer_kwargs()
     assert kwargs["lr"] == 0.01 and kwargs["adamw_lr"] == 1e-3 and kwargs["ns_dtype"] == torch.float32
-    routing = {"rules": None, "split_qkv": False, "muon_algorithm": "muon"}
+    routing = {
+        "rules": None,
+        "split_qkv": False,
+        "per_head": False,
+        "heads": None,
+        "head_dim": None,
+        "muon_algorithm": "muon",
+    }
     assert options.param_groups_kwargs() == routing  # hyperparameters: the optimizer's
 
 
@@ -69,7 +76,7 @@ def test_every_hybrid_muon_keyword_is_a_config_key_or_refused_with_the_reason() 
             ValueError, match=rf"^Invalid muonkit optimizer params \['{key}'\] \({key}: .+\): the allowed"
         ):
             MuonkitOptions.from_params({key: None})
-    assert set(fields) - set(keywords) == {"muon_algorithm", "split_qkv", "rules"}  # the routing's
+    assert set(fields) - set(keywords) == {"muon_algorithm", "split_qkv", "per_head", "heads", "head_dim", "rules"}
 
 
 def test_bad_params_name_the_key() -> None:

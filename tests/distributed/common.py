@@ -56,10 +56,19 @@ GROUPS: dict[str, dict[str, Any]] = {
     "muon_split": {"algorithm": "muon", "split_sizes": (4, 8), "adjust_lr": "spectral"},
     "muon_t_split": {"algorithm": "muon", "layout": "transposed", "split_sizes": (4, 8)},
     "muon_fp32": {"algorithm": "muon", "ns_dtype": torch.float32, "nesterov": False},
+    # per-head output projections: each head's block of columns its own matrix (split_along="cols")
+    "muon_heads": {"algorithm": "muon", "split_sizes": (4, 4, 4), "split_along": "cols"},
+    "muon_t_heads": {"algorithm": "muon", "layout": "transposed", "split_sizes": (4, 4), "split_along": "cols"},
     "adamw": {"algorithm": "adamw", "weight_decay": 0.1},
     # NorMuon and cautious weight decay (NORMUON_ZOO)
     "normuon": {"algorithm": "normuon", "weight_decay": 0.01, "cautious_wd": True},
     "normuon_t_split": {"algorithm": "normuon", "layout": "transposed", "split_sizes": (4, 8), "beta2": 0.9},
+    "normuon_heads": {
+        "algorithm": "normuon",
+        "split_sizes": (4, 4, 4),
+        "split_along": "cols",
+        "adjust_lr": "match_adamw",
+    },
     "normuon_split": {
         "algorithm": "normuon",
         "split_sizes": (4, 8),
@@ -91,6 +100,9 @@ ZOO: list[ParamSpec] = [
     ParamSpec("muon_t_split", (6, 12)),  # transposed and split: blocks along dim 1
     ParamSpec("muon_fp32", (16, 16)),
     ParamSpec("muon_fp32", (5, 7)),
+    ParamSpec("muon_heads", (10, 12)),  # 3 heads of 4 columns; W=4: rows 3, 3, 3, 1
+    ParamSpec("muon_heads", (2, 5, 12)),  # experts, each cut into heads
+    ParamSpec("muon_t_heads", (8, 6)),  # GPT-2 Conv1D: the matrix (6, 8), heads along dim 0
     ParamSpec("adamw", (7,)),
     ParamSpec("adamw", (3,)),
     ParamSpec("adamw", (10, 4)),
@@ -111,6 +123,7 @@ NORMUON_ZOO: list[ParamSpec] = [
     ParamSpec("normuon_t_split", (6, 12)),  # transposed, split: rows are storage columns
     ParamSpec("normuon_split", (12, 6)),  # fused QKV: statistics per block
     ParamSpec("normuon_split", (3, 12, 4)),
+    ParamSpec("normuon_heads", (10, 12)),  # statistics per head: one row vector per column block
     ParamSpec("adamw_cautious", (7,)),
     ParamSpec("adamw_cautious", (10, 4)),
 ]
@@ -144,7 +157,9 @@ def matrix_count(zoo: Sequence[ParamSpec], step: int) -> int:
         options = GROUPS[spec.group]
         if options["algorithm"] not in MATRIX_ALGORITHMS or step in spec.skip_steps:
             continue
-        layout = MatrixLayout(options.get("layout", "auto"), options.get("split_sizes"))
+        layout = MatrixLayout(
+            options.get("layout", "auto"), options.get("split_sizes"), options.get("split_along", "rows")
+        )
         total += sum(b.count for b in layout.blocks(spec.shape))
     return total
 

@@ -46,7 +46,11 @@ from muonkit.testing import StepCounter
 
 NAIVE = os.environ.get("MUONKIT_MESH_NAIVE") == "1"
 QKV_SPLIT = (4, 8)  # Q rows 0-3, KV rows 4-11: TP over 2 cuts at row 6, inside the second block
-RULES = [muonkit.Rule(r"attn\.qkv\.weight$", "muon", split_sizes=QKV_SPLIT, reason="fused QKV")]
+HEADS_SPLIT = (4, 4, 4)  # attn.proj per head: 3 heads of 4 columns; rowwise TP over 2 cuts head 1, over 4 every head
+RULES = [
+    muonkit.Rule(r"attn\.qkv\.weight$", "muon", split_sizes=QKV_SPLIT, reason="fused QKV"),
+    muonkit.Rule(r"attn\.proj\.weight$", "muon", split_sizes=HEADS_SPLIT, reason="per head", split_along="cols"),
+]
 TP_PLAN_KEYS = {
     "attn.qkv": "col",
     "attn.proj": "row",
@@ -69,7 +73,7 @@ class MeshNet(nn.Module):
         if "attn" in parts:
             self.attn = nn.Module()
             self.attn.qkv = nn.Linear(8, 12)  # muon, split (4, 8); bias adamw
-            self.attn.proj = nn.Linear(12, 8, bias=False)  # row-parallel: cols 12
+            self.attn.proj = nn.Linear(12, 8, bias=False)  # row-parallel: cols 12, per head (HEADS_SPLIT)
         if "mlp" in parts:
             self.mlp = nn.Module()
             self.mlp.up = nn.Linear(8, 7, bias=False)  # 7 rows: uneven over 2 and 4

@@ -321,3 +321,65 @@ def hsdp_tp_2x2x2_orthogonalizes_each_matrix_once(ctx: Context) -> None:
 @check(8)
 def ep_dp_tp_2x2x2_orthogonalizes_each_matrix_once(ctx: Context) -> None:
     _exactly_once(ctx, "ep_tp")
+
+
+# ------------------------------------------------------------------ per-head attention under tensor parallelism
+
+
+class _Attention(nn.Module):
+    """Q, K, V, O of 4 heads of 4 (read by ``param_groups(per_head=True)`` from ``num_heads``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.num_heads = 4
+        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(16, 16, bias=False) for _ in range(3))
+        self.o_proj = nn.Linear(16, 16, bias=False)
+
+
+def _tp_attention(ctx: Context, per_head: bool, algorithm: str = "muon") -> tuple[list[str], int]:
+    """3 steps of per-head (or whole-matrix) Muon on Q/K/V colwise and O rowwise over a 4-rank TP mesh
+    beside one device: what differs, and how many jobs the plans move (gather to an owner or return)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (ctx.world_size,), mesh_dim_names=("tp",))
+    plan = {"q_proj": ColwiseParallel(), "k_proj": ColwiseParallel(), "v_proj": ColwiseParallel()}
+    model = parallelize_module(_Attention(), mesh, {**plan, "o_proj": RowwiseParallel()})
+    ref = _Attention()
+    opt = muonkit.HybridMuon(muonkit.param_groups(model, per_head=per_head, muon_algorithm=algorithm))
+    ref_opt = muonkit.HybridMuon(
+        muonkit.param_groups(ref, per_head=per_head, muon_algorithm=algorithm),
+        strategy=muonkit.distributed.SingleDeviceStrategy(),
+    )
+    initial = Snapshot.of(ref, ref_opt)
+    for step in range(3):
+        for (name, p), r in zip(model.named_parameters(), ref.parameters(), strict=True):
+            g = torch.randn(r.shape, generator=torch.Generator().manual_seed(100 * step + len(name)))
+            r.grad = g.clone()
+            p.grad = distribute_tensor(g, mesh, p.placements, src_data_rank=None)
+        opt.step()
+        ref_opt.step()
+    problems = snapshot_differences(
+        Snapshot.of(model, opt), Snapshot.of(ref, ref_opt), algorithms=algorithms(ref_opt), initial=initial
+    )
+    plans = list(opt.strategy._plans.values())  # the planned exchange (the guard's own flags travel too)
+    assert plans, "no plan was made: the check would prove nothing"
+    moved = [j for plan in plans for g in plan.groups if plan.gathers(g) or plan.returns(g) for j in g]
+    moved += [s.job for plan in plans for s in plan.splits]
+    return problems, len(moved)
+
+
+@check(4)
+def tp_per_head_attention_moves_nothing_and_matches_single_device(ctx: Context) -> None:
+    """Colwise Q/K/V (rows by head) and rowwise O (columns by head): each rank holds whole heads, so
+    every per-head job is orthogonalized where it lies and nothing travels; whole matrices must travel."""
+    problems, moved = _tp_attention(ctx, per_head=True)
+    assert not problems, "per head under TP:\n" + "\n".join(problems)
+    whole_problems, whole_moved = _tp_attention(ctx, per_head=False)
+    assert not whole_problems, "whole matrices under TP:\n" + "\n".join(whole_problems)
+    assert moved == 0, f"{moved} per-head jobs travel under TP"
+    normuon_problems, normuon_moved = _tp_attention(ctx, per_head=True, algorithm="normuon")  # row moments per head
+    assert not normuon_problems and normuon_moved == 0, "NorMuon per head under TP:\n" + "\n".join(normuon_problems)
+    assert whole_moved == 4, f"{whole_moved} whole matrices travel, expected Q, K, V and O"

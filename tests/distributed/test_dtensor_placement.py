@@ -146,6 +146,42 @@ def test_split_blocks_are_jobs_of_their_own_wherever_the_rows_are_cut(shape: tup
 
 
 @pytest.mark.parametrize(
+    ("placements", "ranges"),
+    [
+        ((Replicate(), Shard(1)), [(0, 8), (8, 16)]),  # TP row-wise over 2: two heads per rank
+        ((Shard(1), Shard(1)), [(0, 4), (4, 8), (8, 12), (12, 16)]),  # a head per rank
+        ((Shard(0), Shard(1)), [(0, 8), (8, 16)]),  # FSDP2 rows on "dp", TP columns: rows cut any way
+        ((Shard(1), Replicate()), [(0, 8), (8, 16)]),  # replicated copies: one job, two holders
+    ],
+    ids=str,
+)
+def test_per_head_columns_held_whole_are_jobs_of_their_own(placements: tuple, ranges: list) -> None:
+    """A per-head output projection under tensor parallelism: each rank's column range is whole heads,
+    so each range is its own job, whose pieces are its holders' whole local tensors."""
+    shape, layout = (6, 16), MatrixLayout("matrix", (4,) * 4, "cols")
+    whole = torch.arange(math.prod(shape)).view(shape)
+    held = rank_boxes(shape, placements, torch.arange(4).view(2, 2))
+    locals_ = {r: box.read(whole).view(box.shape) for r, box in held}
+    jobs = tensor_jobs(0, shape, layout, held)
+    assert [j.shape for j in jobs] == [(6, b - a) for a, b in ranges]
+    for job, (a, b) in zip(jobs, ranges, strict=True):
+        assert job.layout == MatrixLayout("matrix", (4,) * ((b - a) // 4), "cols")
+        assert all(p.where is None for p in job.held)
+        assert torch.equal(_reassemble(job.shape, list(job.held), locals_), whole[:, a:b])
+
+
+@pytest.mark.parametrize("placements", [(Replicate(), Replicate()), (Shard(0), Replicate())], ids=str)
+def test_per_head_columns_cut_inside_a_head_or_held_whole_are_one_job(placements: tuple) -> None:
+    shape = (6, 12)
+    held = rank_boxes(shape, (Replicate(), Shard(1)), torch.arange(4).view(2, 2))  # columns 0-5, 6-11
+    (job,) = tensor_jobs(0, shape, MatrixLayout("matrix", (4, 4, 4), "cols"), held)  # 6 cuts the second head
+    assert job.shape == shape
+    held = rank_boxes(shape, placements, torch.arange(4).view(2, 2))
+    (job,) = tensor_jobs(0, shape, MatrixLayout("matrix", (4, 4, 4), "cols"), held)
+    assert job.shape == shape
+
+
+@pytest.mark.parametrize(
     "placements",
     [(Shard(0), Replicate()), (Shard(0), Shard(1)), (_StridedShard(1, split_factor=2), Shard(1)), (Shard(2), Shard(0))],
     ids=str,

@@ -33,6 +33,8 @@ CASES: list[tuple[tuple[int, ...], dict[str, Any]]] = [
     ((12, 6), {"split_sizes": (4, 8), "adjust_lr": "spectral"}),
     ((4, 2, 3, 3), {}),
     ((16, 4), {"nesterov": False}),
+    ((6, 12), {"split_sizes": (4,) * 3, "split_along": "cols"}),  # a per-head output projection
+    ((12, 6), {"layout": "transposed", "split_sizes": (4, 8), "split_along": "cols", "adjust_lr": "match_adamw"}),
 ]
 
 
@@ -51,20 +53,20 @@ def _matrices(t: Tensor, layout: MatrixLayout) -> list[Tensor]:
     """Every matrix of ``t`` as an (rows, cols) view, in the order of NorMuon's row state."""
     count, rows, cols = layout.base_shape(t.shape)
     base = (t.mT if layout.resolved(t.ndim) == "transposed" else t).reshape(count, rows, cols)
-    sizes = layout.split_sizes or (rows,)
-    return [block for k in range(count) for block in torch.split(base[k], list(sizes))]
+    dim = 1 if layout.splits_cols else 0
+    sizes = layout.split_sizes or (rows,)  # no split: whole rows
+    return [block for k in range(count) for block in torch.split(base[k], list(sizes), dim=dim)]
 
 
 def reference_normuon(
     w: Tensor, grads: list[Tensor], options: dict[str, Any], *, cautious: bool = False
 ) -> tuple[Tensor, Tensor]:
     """The paper's Algorithm 1 with the authors' Frobenius-preserving rescale, matrix by matrix."""
-    layout = MatrixLayout(options.get("layout", "auto"), options.get("split_sizes"))
+    layout = MatrixLayout(options.get("layout", "auto"), options.get("split_sizes"), options.get("split_along", "rows"))
     nesterov = options.get("nesterov", True)
     adjust = options.get("adjust_lr", "keller")
     w, m = w.clone(), torch.zeros_like(w)
-    count, rows, _ = layout.base_shape(w.shape)
-    v = torch.zeros(count * rows, dtype=F64)
+    v = torch.zeros(sum(mat.size(0) for mat in _matrices(w, layout)), dtype=F64)  # one value per row of each block
     for g in grads:
         m = BETA1 * m + (1 - BETA1) * g
         u = (1 - BETA1) * g + BETA1 * m if nesterov else m

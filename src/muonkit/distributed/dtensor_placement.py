@@ -242,7 +242,9 @@ def tensor_jobs(
     ``experts`` stack (its pieces: where each holder stores it, ``Expert(k)``: the k-th matrix of
     its local stack), each ``split_sizes`` block (rows ``[a, b)``: a holder's rows of it lie
     contiguously in its local tensor, at ``At(offset)``), else the whole tensor; a transposed
-    tensor with ``split_sizes`` is one job (its blocks are columns of the storage). Empty pieces
+    tensor with ``split_sizes`` is one job (its blocks are columns of the storage), and so is a
+    column split (``split_along="cols"``: its blocks are columns of the matrix), unless its holders
+    hold it in column ranges on the blocks' edges (:func:`_column_jobs`: one job per range). Empty pieces
     are left out; a param with no elements has no job.
 
     Whole tensors and experts get :class:`~muonkit.distributed.pieces.Pieces` over one
@@ -254,8 +256,10 @@ def tensor_jobs(
     if not math.prod(shape):
         return []
     kind = layout.resolved(len(shape))
+    if kind == "matrix" and layout.splits_cols and (by_columns := _column_jobs(tensor, shape, layout, holders)):
+        return by_columns
     table = _table(_ById(holders))
-    if kind == "transposed" or (kind != "experts" and layout.split_sizes is None):
+    if kind == "transposed" or layout.splits_cols or (kind != "experts" and layout.split_sizes is None):
         return [Job(tensor, shape, layout, Pieces(table.whole))]
     if kind == "experts":
         units = [(shape[-2:], pieces) for pieces in table.experts(shape)]
@@ -272,6 +276,36 @@ def tensor_jobs(
             block = (_rows(piece, start, start + size) for piece in pieces)
             jobs.append(Job(tensor, (size, *whole[1:]), base, tuple(p for p in block if p is not None)))
             start += size
+    return jobs
+
+
+def _column_jobs(
+    tensor: int, shape: tuple[int, ...], layout: MatrixLayout, holders: Sequence[tuple[int, Box]]
+) -> list[Job] | None:
+    """A column-split matrix (per-head output projection) held in column ranges that fall on its
+    blocks' edges (tensor parallelism's row-wise ``Shard(1)``, each rank whole heads): one job per
+    column range, its pieces each holder's whole local tensor (rows cut any way), so a range held by
+    one rank is orthogonalized there and moves nothing. None where the ranges are not such a
+    partition of the columns (every holder holds all columns, or a head is cut): one job then."""
+    assert layout.split_sizes is not None
+    edges = {0, *itertools.accumulate(layout.split_sizes)}
+    ranges: dict[tuple[int, int], list[Piece]] = {}
+    for rank, box in holders:
+        if not box.numel:
+            continue
+        cols = box.runs[1]
+        if len(cols) != 1 or cols[0][0] not in edges or cols[0][1] not in edges:
+            return None
+        a, b = cols[0]
+        ranges.setdefault((a, b), []).append(Piece(rank, Box((box.runs[0], ((0, b - a),)))))
+    spans = sorted(ranges)
+    if len(spans) < 2 or [a for a, _ in spans] != [0, *(b for _, b in spans[:-1])] or spans[-1][1] != shape[1]:
+        return None
+    jobs = []
+    for a, b in spans:
+        ends = itertools.accumulate(layout.split_sizes)
+        sizes = tuple(s for s, end in zip(layout.split_sizes, ends, strict=True) if a < end <= b)
+        jobs.append(Job(tensor, (shape[0], b - a), MatrixLayout("matrix", sizes, "cols"), tuple(ranges[a, b])))
     return jobs
 
 

@@ -92,12 +92,13 @@ def whole_jobs(tensor: int, shape: tuple[int, ...], layout: MatrixLayout, ranks:
 
     One job per matrix (each expert of a stack, each ``split_sizes`` block) wherever the matrix
     lies contiguously in the tensor, so that the planner balances matrices, not tensors; one job
-    for the whole tensor otherwise (a transposed layout's blocks are columns of its storage).
+    for the whole tensor otherwise (a transposed layout's blocks are columns of its storage, a
+    column split's blocks columns of the matrix).
     The copies of one region on ``ranks`` are one shared :class:`~muonkit.distributed.pieces.Holders`.
     """
     ranks = tuple(ranks)
     kind = layout.resolved(len(shape))
-    if kind == "transposed" or (kind != "experts" and layout.split_sizes is None):
+    if kind == "transposed" or layout.splits_cols or (kind != "experts" and layout.split_sizes is None):
         return [Job(tensor, shape, layout, Pieces(_copies(Box.full(shape), ranks)))]
     count, rows, cols = layout.base_shape(shape)
     if layout.split_sizes is None:  # experts: where=Expert(k) views matrix k of the stack

@@ -14,9 +14,18 @@ kind            tensor shape                    matrices
 ``auto``        2D: matrix, 3D: experts, >=4D: flatten
 ==============  ==============================  ===========================================
 
-``split_sizes`` cuts every matrix along its rows into blocks (a fused QKV projection into Q,
-K and V), each orthogonalized on its own. Orthogonalization commutes with transposition, so the
-orientation only matters for the shape-dependent learning-rate scale.
+``split_sizes`` cuts every matrix into blocks, each orthogonalized on its own: along its rows
+(``split_along="rows"``, the default: a fused QKV projection into Q, K and V, or a Q projection
+into its heads) or along its columns (``split_along="cols"``: an attention output projection into
+the input columns of each head). Rows and columns are the matrix's, ``(out_features,
+in_features)``, whatever the storage (a ``transposed`` tensor's columns are its storage rows).
+Orthogonalization commutes with transposition, so the orientation only matters for the
+shape-dependent learning-rate scale, which each block takes from its own shape.
+
+Example: the output projection of 4 heads of 16 dims, one ``(64, 16)`` matrix per head::
+
+    >>> MatrixLayout("matrix", (16,) * 4, "cols").blocks((64, 64))
+    [MatrixBlock(count=1, rows=64, cols=16), MatrixBlock(count=1, rows=64, cols=16), MatrixBlock(count=1, rows=64, cols=16), MatrixBlock(count=1, rows=64, cols=16)]
 """
 
 from __future__ import annotations
@@ -28,10 +37,12 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-__all__ = ["LAYOUT_KINDS", "MatrixBlock", "MatrixLayout"]
+__all__ = ["LAYOUT_KINDS", "SPLIT_ALONG", "MatrixBlock", "MatrixLayout"]
 
 LayoutKind = Literal["auto", "matrix", "transposed", "experts", "flatten"]
 LAYOUT_KINDS: tuple[str, ...] = ("auto", "matrix", "transposed", "experts", "flatten")
+SplitAlong = Literal["rows", "cols"]
+SPLIT_ALONG: tuple[str, ...] = ("rows", "cols")
 
 
 @dataclass(frozen=True)
@@ -49,6 +60,7 @@ class MatrixLayout:
 
     kind: LayoutKind = "auto"
     split_sizes: tuple[int, ...] | None = None
+    split_along: SplitAlong = "rows"
 
     def __post_init__(self) -> None:
         if self.kind not in LAYOUT_KINDS:
@@ -57,6 +69,20 @@ class MatrixLayout:
             raise ValueError(
                 f"Invalid split_sizes={self.split_sizes!r}: must be None or a non-empty sequence of positive row counts"
             )
+        if self.split_along not in SPLIT_ALONG:
+            raise ValueError(f"Invalid split_along={self.split_along!r}: must be one of {SPLIT_ALONG}")
+        if self.split_along == "cols" and self.split_sizes is None:
+            raise ValueError("Invalid split_along='cols' with split_sizes=None: a column split needs split_sizes")
+
+    @property
+    def splits_cols(self) -> bool:
+        """Whether ``split_sizes`` cuts the matrices along their columns (each block: all rows)."""
+        return self.split_sizes is not None and self.split_along == "cols"
+
+    @property
+    def per_matrix(self) -> int:
+        """How many blocks each matrix is cut into (1 without ``split_sizes``)."""
+        return 1 if self.split_sizes is None else len(self.split_sizes)
 
     def resolved(self, ndim: int) -> LayoutKind:
         """The concrete kind for a tensor of ``ndim`` dimensions."""
@@ -84,11 +110,15 @@ class MatrixLayout:
         count, rows, cols = self.base_shape(shape)
         if self.split_sizes is None:
             return [MatrixBlock(count, rows, cols)]
-        if sum(self.split_sizes) != rows:
+        along, total = ("cols", cols) if self.splits_cols else ("rows", rows)
+        if sum(self.split_sizes) != total:
             raise ValueError(
-                f"Invalid split_sizes={self.split_sizes}: they must sum to the {rows} rows of a "
+                f"Invalid split_sizes={self.split_sizes}: they must sum to the {total} {along} of a "
                 f"tensor of shape {tuple(shape)} under layout={self.kind!r}"
+                + (" with split_along='cols'" if self.splits_cols else "")
             )
+        if self.splits_cols:
+            return [MatrixBlock(count, rows, int(s)) for s in self.split_sizes]
         return [MatrixBlock(count, int(s), cols) for s in self.split_sizes]
 
     def to_matrices(self, t: Tensor) -> list[Tensor]:
@@ -99,11 +129,11 @@ class MatrixLayout:
         base = base.reshape(count, rows, cols)
         if self.split_sizes is None:
             return [base]
-        return list(torch.split(base, list(self.split_sizes), dim=1))
+        return list(torch.split(base, list(self.split_sizes), dim=2 if self.splits_cols else 1))
 
     def from_matrices(self, mats: list[Tensor], shape: torch.Size | tuple[int, ...]) -> Tensor:
         """Inverse of :meth:`to_matrices`: a new tensor of ``shape``."""
-        base = mats[0] if len(mats) == 1 else torch.cat(mats, dim=1)
+        base = mats[0] if len(mats) == 1 else torch.cat(mats, dim=2 if self.splits_cols else 1)
         if self.resolved(len(shape)) == "transposed":
             return base.reshape(shape[1], shape[0]).mT.contiguous()
         return base.reshape(shape)

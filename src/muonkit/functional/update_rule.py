@@ -112,14 +112,19 @@ class StateSpec:
     """Whether its values are never negative (a second moment: a checkpoint with negative ones is refused)."""
 
     def length(self, shape: Sequence[int], layout: MatrixLayout) -> int:
-        """Values of a ``"rows"`` entry for one whole tensor of ``shape``: one per row of each matrix."""
+        """Values of a ``"rows"`` entry for one whole tensor of ``shape``: one per row of each matrix
+        (a column split's blocks each have all the rows: one vector per block)."""
         count, rows, _ = layout.base_shape(tuple(shape))
-        return count * rows
+        return count * rows * (layout.per_matrix if layout.splits_cols else 1)
 
     @staticmethod
     def split(v: Tensor, shape: Sequence[int], layout: MatrixLayout) -> list[Tensor]:
-        """``v`` (a ``"rows"`` entry of a tensor) as one ``(count, rows)`` view per block of ``layout``."""
+        """``v`` (a ``"rows"`` entry of a tensor) as one ``(count, rows)`` view per block of ``layout``:
+        ``v.view(count, rows)`` cut at the row blocks, or ``v.view(count, blocks, rows)``, block by
+        block, for a column split."""
         count, rows, _ = layout.base_shape(tuple(shape))
+        if layout.splits_cols:
+            return list(v.view(count, layout.per_matrix, rows).unbind(1))
         base = v.view(count, rows)
         if layout.split_sizes is None:
             return [base]

@@ -12,7 +12,8 @@ know the type), builds :class:`muonkit.HybridMuon` from it and hands DeepSpeed t
 ``"zero_allow_untested_optimizer": true``. The keys of ``params`` (all optional) are the fields of
 :class:`MuonkitOptions`: every keyword of :class:`muonkit.HybridMuon` a JSON config can carry
 (:class:`muonkit.defaults.Defaults`, with its default and meaning), ``ns_dtype`` by name, and
-the routing's ``muon_algorithm``, ``split_qkv`` and ``rules``; the docs' table of them (docs/stacks/deepspeed.md) is
+the routing's ``muon_algorithm``, ``split_qkv``, ``per_head`` (with ``heads``, ``head_dim``) and
+``rules``; the docs' table of them (docs/stacks/deepspeed.md) is
 generated from these fields (``python -m muonkit._doc_tables``).
 
 The routing is :func:`muonkit.param_groups` (by module structure, printable with
@@ -55,7 +56,8 @@ _DTYPES |= {"float64": torch.float64, "fp64": torch.float64}
 _NOT_HERE = {
     "learning_rate": "HF's learning_rate is AdamW's lr: adamw_lr; Muon's is lr",
     "layout": "layout: routing decides each tensor's (muonkit.explain shows it); override with rules",
-    "split_sizes": "split_sizes: routing decides them; split_qkv cuts fused QKV projections into Q, K, V",
+    "split_sizes": "split_sizes: routing decides them; split_qkv cuts fused QKV projections into Q, K, V, "
+    "per_head attention projections by head",
     "capturable": "capturable: a single-device option; DeepSpeed steps ZeRO partitions with collectives",
     "process_group": "process_group: DeepSpeed's",
     "strategy": "strategy: DeepSpeed's",
@@ -83,6 +85,11 @@ class MuonkitOptions:
         default="muon", metadata={"what": 'the hidden matrices\' algorithm: "muon" or "normuon"'}
     )
     split_qkv: bool = field(default=False, metadata={"what": "orthogonalize fused QKV projections as Q, K, V blocks"})
+    per_head: bool = field(
+        default=False, metadata={"what": "orthogonalize attention projections per head (muonkit.per_head)"}
+    )
+    heads: int | None = field(default=None, metadata={"what": "per_head: the head count; null = read from the model"})
+    head_dim: int | None = field(default=None, metadata={"what": "per_head: the head size; null = read from the model"})
     rules: Any = field(
         default_factory=list, metadata={"what": 'routing overrides: [[pattern, "muon" or "adamw"], ...], checked first'}
     )
@@ -117,7 +124,14 @@ class MuonkitOptions:
     def param_groups_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of :func:`muonkit.param_groups`: the routing only (the hyperparameters
         are the optimizer's defaults, :meth:`optimizer_kwargs`)."""
-        return {"rules": self.rules or None, "split_qkv": self.split_qkv, "muon_algorithm": self.muon_algorithm}
+        return {
+            "rules": self.rules or None,
+            "split_qkv": self.split_qkv,
+            "per_head": self.per_head,
+            "heads": self.heads,
+            "head_dim": self.head_dim,
+            "muon_algorithm": self.muon_algorithm,
+        }
 
     def optimizer_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of :class:`muonkit.HybridMuon` (its defaults for every group): every

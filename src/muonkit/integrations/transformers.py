@@ -94,6 +94,9 @@ def make_optimizer(
     weight_decay: float | None = None,
     rules: Sequence[RuleLike] | Mapping[str, str] | None = None,
     split_qkv: bool = False,
+    per_head: bool = False,
+    heads: int | None = None,
+    head_dim: int | None = None,
     process_group: Any | None = None,
     muon_algorithm: str = "muon",
     cautious_wd: bool = DEFAULTS.cautious_wd,
@@ -110,6 +113,8 @@ def make_optimizer(
       ``muon_algorithm`` names their update rule (:data:`muonkit.functional.rules.RULES`; the
       rule's own keys among ``muon_options``, else HybridMuon's defaults for that rule).
     - ``cautious_wd``: cautious weight decay on every group (every update rule and AdamW).
+    - ``split_qkv``, ``per_head`` (``heads``, ``head_dim``): how attention projections are cut
+      (:func:`muonkit.param_groups`).
     - Any other keyword of :class:`muonkit.HybridMuon` among ``muon_options`` that is not a Muon
       group key (``nonfinite``, ``betas``, a rule's keywords...: :class:`muonkit.defaults.Defaults`)
       is passed to it, over what ``args`` says.
@@ -140,7 +145,14 @@ def make_optimizer(
     if args is not None:
         adamw = {"betas": (float(args.adam_beta1), float(args.adam_beta2)), "adamw_eps": float(args.adam_epsilon)}
     groups = param_groups(
-        model, rules=rules, split_qkv=split_qkv, muon_algorithm=muon_algorithm, muon_options=muon_options
+        model,
+        rules=rules,
+        split_qkv=split_qkv,
+        per_head=per_head,
+        heads=heads,
+        head_dim=head_dim,
+        muon_algorithm=muon_algorithm,
+        muon_options=muon_options,
     )
     settings = {
         "lr": muon_lr,

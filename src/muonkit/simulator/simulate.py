@@ -69,12 +69,15 @@ class Estimate:
                 raise ValueError(f"Invalid {name}={value!r}: must be > 0")
 
 
-def muon_config(layout: str = "auto", split_sizes: tuple[int, ...] | None = None) -> MuonConfig:
+def muon_config(
+    layout: str = "auto", split_sizes: tuple[int, ...] | None = None, split_along: str = "rows"
+) -> MuonConfig:
     """The default Muon group (bf16 Newton-Schulz, as on a GPU) of one matrix layout."""
-    group = {key: getattr(DEFAULTS, key) for key in MUON_KEYS} | {
+    group = {key: getattr(DEFAULTS, key) for key in MUON_KEYS if hasattr(DEFAULTS, key)} | {
         "algorithm": "muon",
         "layout": layout,
         "split_sizes": split_sizes,
+        "split_along": split_along,
         "ns_dtype": torch.bfloat16,
     }
     config = group_config(group)
