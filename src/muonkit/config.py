@@ -10,7 +10,7 @@ from __future__ import annotations
 import difflib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -20,6 +20,7 @@ from muonkit.functional.lr_scaling import ADJUST_LR_CHOICES
 from muonkit.functional.matrices import LAYOUT_KINDS, SPLIT_ALONG, MatrixLayout
 from muonkit.functional.muon import NSOptions, once
 from muonkit.functional.orthogonalize import METHODS, default_compute_dtype, orthogonalization_flops
+from muonkit.functional.quantize import STATE_DTYPES
 from muonkit.functional.rules import RULES, rule_keywords, rule_of
 from muonkit.functional.update_rule import UpdateRule
 from muonkit.functional.validation import eps as _eps
@@ -31,18 +32,22 @@ from muonkit.functional.validation import positive_int as _positive_int
 from muonkit.functional.validation import real
 from muonkit.functional.validation import unit as _unit
 
+if TYPE_CHECKING:
+    from muonkit.state_precision import Codec
+
 MATRIX_ALGORITHMS: tuple[str, ...] = tuple(RULES)
 """The algorithms that orthogonalize, one per update rule (routed alike: >= 2D hidden matrices)."""
 ALGORITHMS: tuple[str, ...] = (*MATRIX_ALGORITHMS, "adamw")
 MUON_KEYS = (
     "lr", "momentum", "nesterov", "ns_coefficients", "ns_steps", "eps", "weight_decay",
     "adjust_lr", "layout", "split_sizes", "split_along", "ns_dtype", "ns_method", "cautious_wd", "ns_compile",
+    "state_dtype",
 )  # fmt: skip
 RULE_KEYS: dict[str, tuple[str, ...]] = {name: rule.keys(MUON_KEYS) for name, rule in RULES.items()}
 """Each update rule's group keys: Muon's and the rule's own (:attr:`UpdateRule.hyperparameters`)."""
 MATRIX_KEYS: tuple[str, ...] = tuple(dict.fromkeys(k for keys in RULE_KEYS.values() for k in keys))
 """Every key a group of some update rule has."""
-ADAMW_KEYS = ("lr", "betas", "eps", "weight_decay", "cautious_wd")
+ADAMW_KEYS = ("lr", "betas", "eps", "weight_decay", "cautious_wd", "state_dtype")
 SCHEDULER_KEYS = ("initial_lr", "max_lr", "min_lr", "base_momentum", "max_momentum", "swa_lr")
 """Keys torch's lr schedulers and SWA write into param groups (a group copied from a scheduled
 optimizer carries them); the step ignores them."""
@@ -98,6 +103,14 @@ class MuonConfig:
     algorithm: str = "muon"
     rule_settings: tuple[tuple[str, Any], ...] = ()
     ns_compile: bool = False
+    state_dtype: str = "fp32"
+
+    @once
+    def codec(self) -> Codec | None:
+        """How the group's states are stored at rest (:mod:`muonkit.state_precision`); None: fp32."""
+        from muonkit.state_precision import CODECS  # it reads limits, which reads this module
+
+        return CODECS[self.state_dtype]
 
     @once
     def rule(self) -> UpdateRule:
@@ -148,6 +161,14 @@ class AdamWConfig:
     eps: float
     weight_decay: float
     cautious_wd: bool = False
+    state_dtype: str = "fp32"
+
+    @once
+    def codec(self) -> Codec | None:
+        """How the group's states are stored at rest (:mod:`muonkit.state_precision`); None: fp32."""
+        from muonkit.state_precision import CODECS  # it reads limits, which reads this module
+
+        return CODECS[self.state_dtype]
 
 
 def group_config(group: Mapping[str, Any], index: int | None = None) -> MuonConfig | AdamWConfig:
@@ -212,6 +233,7 @@ def _muon_config(g: Mapping[str, Any], algorithm: str = "muon") -> MuonConfig:
         algorithm=algorithm,
         rule_settings=tuple((h.key, h.check(h.key, g[h.key])) for h in rule.hyperparameters if not h.shared),
         ns_compile=_bool("ns_compile", g.get("ns_compile", False)),
+        state_dtype=_state_dtype(g),
     )
 
 
@@ -241,7 +263,15 @@ def _adamw_config(g: Mapping[str, Any]) -> AdamWConfig:
         eps=_eps("eps", g["eps"], kind="adamw"),
         weight_decay=_nonneg("weight_decay", g["weight_decay"]),
         cautious_wd=_bool("cautious_wd", g.get("cautious_wd", DEFAULTS.cautious_wd)),
+        state_dtype=_state_dtype(g),
     )
+
+
+def _state_dtype(g: Mapping[str, Any]) -> str:
+    value = g.get("state_dtype", DEFAULTS.state_dtype)
+    if value not in STATE_DTYPES:
+        raise ValueError(f"Invalid state_dtype={value!r}: must be one of {STATE_DTYPES}")
+    return str(value)
 
 
 def check_group_keys(

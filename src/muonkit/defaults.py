@@ -114,6 +114,12 @@ class _Settings:
         what="decay only where the update and the weight agree in sign",
         why="decay only where the update and the weight agree in sign (every group)",
     )
+    state_dtype: str = _setting(
+        "fp32",
+        what='how states are kept at rest: "fp32", "bf16" (stochastic rounding) or "8bit" (blockwise fp8 codes)',
+        why='`"fp32"`: the reference (fp64 for fp64 params); `"bf16"` halves the state, `"8bit"` keeps ~1/4 of it '
+        "(Muon momentum, NorMuon's row moments, AdamW's moments); every group, or per group",
+    )
     capturable: bool = _setting(
         False,
         what="lr and weight decay as device tensors: no host read in step() (one device, unchecked)",

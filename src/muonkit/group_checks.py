@@ -22,6 +22,7 @@ from muonkit.config import AdamWConfig, MuonConfig, group_config, key_hint
 from muonkit.distributed import Strategy
 from muonkit.distributed.base import full_shape
 from muonkit.functional.matrices import MatrixLayout
+from muonkit.functional.quantize import SCALE_SUFFIX
 from muonkit.functional.rules import WHOLE_STATES
 
 SWAPPED_PARAMS = (
@@ -231,8 +232,10 @@ def check_state_fits(state: Mapping[str, Any], p: Tensor, local: Callable[[Tenso
     """A param whose shape or device changed after it got state (or whose grad does not fit it) raises."""
     shape, device = tuple(local(p).shape), p.device
     named = {"grad": cast(Tensor, p.grad)} | {
-        k: v for k, v in state.items() if isinstance(v, Tensor) and v.ndim > 0 and k not in WHOLE_STATES
-    }  # rows states are whole on every rank, checked on load
+        k: v
+        for k, v in state.items()
+        if isinstance(v, Tensor) and v.ndim > 0 and k not in WHOLE_STATES and not k.endswith(SCALE_SUFFIX)
+    }  # rows states are whole on every rank, 8-bit block scales shaped by their blocks: checked on load
     for key, value in named.items():
         if tuple(local(value).shape) != shape or value.device != device:
             raise ValueError(

@@ -27,6 +27,7 @@ from muonkit.config import AdamWConfig, MuonConfig
 from muonkit.functional import overflow
 from muonkit.functional.coefficients import output_bound
 from muonkit.functional.lr_scaling import lr_scale
+from muonkit.functional.quantize import work_dtype
 
 __all__ = [
     "exp_avg_limit",
@@ -34,13 +35,6 @@ __all__ = [
     "param_limit",
     "work_dtype",
 ]
-
-
-@functools.cache
-def work_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype a param's update is computed in (and its states are kept in): fp32 for bf16 and
-    fp16 params, else the param's."""
-    return dtype if dtype in (torch.float32, torch.float64) else torch.float32
 
 
 def gradient_limit(config: MuonConfig | AdamWConfig, *, state_dtype: torch.dtype, grad_dtype: torch.dtype) -> float:

@@ -52,9 +52,9 @@ from muonkit.group_checks import (
     tensors_and_names,
     warn_one_cycle_max_lr,
 )
-from muonkit.limits import work_dtype
 from muonkit.stages import MuonChunk, Rates, adamw_step, commit_batches, commit_muon, muon_chunks
 from muonkit.state_checks import check_state_dict, saved_skipped_steps
+from muonkit.state_precision import loaded
 from muonkit.strategy_choice import (
     agree_before_refusing,
     check_process_group,
@@ -112,6 +112,11 @@ class HybridMuon(Optimizer):
             update and weight agree in sign (:func:`muonkit.functional.cautious_decay_`).
         nonfinite: ``"skip"`` (default), ``"raise"`` or ``"unchecked"``: what a non-finite (or
             overflowing) gradient or Muon update does (:mod:`muonkit.distributed.guard`).
+        state_dtype: default of every group's ``state_dtype``: ``"fp32"`` (default), ``"bf16"``
+            (stochastically rounded) or ``"8bit"`` (blockwise fp8 codes and scales), how Muon's
+            momentum, an update rule's states and AdamW's moments are kept between steps
+            (:mod:`muonkit.state_precision`). Loading a checkpoint keeps this setting and
+            converts the saved states at their next step.
         capturable: a step with no host read, for ``torch.compile`` and CUDA graphs; needs
             ``nonfinite="unchecked"`` and one device (:mod:`muonkit.capturable`).
         ns_compile: run the Newton-Schulz iteration through ``torch.compile``.
@@ -161,6 +166,7 @@ class HybridMuon(Optimizer):
         adamw_weight_decay: float = DEFAULTS.adamw_weight_decay,
         cautious_wd: bool = DEFAULTS.cautious_wd,
         nonfinite: NonFinite = DEFAULTS.nonfinite,
+        state_dtype: str = DEFAULTS.state_dtype,
         capturable: bool = DEFAULTS.capturable,
         ns_compile: bool = DEFAULTS.ns_compile,
         process_group: Any | None = None,
@@ -197,7 +203,7 @@ class HybridMuon(Optimizer):
             "ns_coefficients": ns_coefficients, "ns_steps": ns_steps, "eps": eps,
             "weight_decay": weight_decay, "adjust_lr": adjust_lr, "layout": layout,
             "split_sizes": split_sizes, "ns_dtype": ns_dtype, "ns_method": ns_method, "ns_compile": ns_compile,
-            "betas": betas, "cautious_wd": cautious_wd,
+            "betas": betas, "cautious_wd": cautious_wd, "state_dtype": state_dtype,
         }  # fmt: skip
         super().__init__(params, plain_hyperparameters(defaults))
         requires_torch_for_params(p for g in self.param_groups for p in g["params"])
@@ -447,18 +453,20 @@ class HybridMuon(Optimizer):
         for index, (group, before) in enumerate(zip(self.param_groups, current, strict=True)):
             for key, value in before.items():
                 group.setdefault(key, value)
+            group["state_dtype"] = before["state_dtype"]  # how this optimizer stores: saved states convert
             if self.capturable:
                 rates_on_device.hold_rates(group, index, self._held_rates[index], adopt=False)
             else:  # a capturable optimizer's rate tensors load as numbers where these were numbers
                 rates_on_device.numbers_again(group, before)
         # torch casts float states to the param dtype and keeps the caller's tensors; redo both.
         for pid, p in zip(ids, self._all_params(), strict=True):
-            for key, value in saved.get(pid, {}).items():
-                if key == "step":
-                    device = p.device if self.capturable else "cpu"
-                    self.state[p][key] = torch.tensor(float(value), dtype=torch.float32, device=device)
-                elif isinstance(value, Tensor):
-                    self.state[p][key] = value.to(device=p.device, dtype=work_dtype(p.dtype), copy=True)
+            own = saved.get(pid, {})
+            if not own:
+                continue
+            self.state[p] = loaded(own, p)  # 8-bit and bf16 states as saved (state_precision)
+            if "step" in own:
+                device = p.device if self.capturable else "cpu"
+                self.state[p]["step"] = torch.tensor(float(own["step"]), dtype=torch.float32, device=device)
 
 
 def _signature_with_rule_keywords(init: Callable[..., None]) -> inspect.Signature:

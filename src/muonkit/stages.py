@@ -14,13 +14,14 @@ tensors live (local shards, owners, collectives) is the strategy's business; the
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Hashable, Iterable, Iterator, MutableMapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
 from torch import Tensor
 
+from muonkit import state_precision
 from muonkit.config import AdamWConfig, MuonConfig
 from muonkit.distributed import Strategy
 from muonkit.distributed.guard import Stream
@@ -41,6 +42,7 @@ from muonkit.functional.muon import (
 from muonkit.functional.update_rule import StateSpec
 from muonkit.limits import work_dtype
 from muonkit.state_checks import row_count
+from muonkit.state_precision import SCALE_SUFFIX
 
 Rates = tuple[float | Tensor, float | Tensor]
 """A group's ``(lr, weight_decay)`` as a step applies them: numbers, or capturable, 0-dim device tensors."""
@@ -75,13 +77,16 @@ def muon_chunks(params: list[Tensor], config: MuonConfig, *, strategy: Strategy,
     """
     if not params:
         return
-    local = strategy.local
+    local, codec = strategy.local, config.codec
     for chunk in strategy.muon_chunks(params, config):
         group = [params[i] for i in chunk]
-        buffers = [_momentum_buffer(p, strategy, state) for p in group]
+        if codec is None:
+            buffers = [_momentum_buffer(p, strategy, state) for p in group]
+        else:
+            buffers = [codec.read(state.get(p, _NONE), _MOMENTUM, p, strategy) for p in group]
         grads = [local(cast(Tensor, p.grad)) for p in group]
         extra = config.rule.param_states
-        held = [[_param_state(p, spec, strategy, state) for spec in extra] for p in group] if extra else []
+        held = [[_param_state(p, spec, config, strategy, state) for spec in extra] for p in group] if extra else []
         olds = [[local(t) for t in ts] for ts in held]
         rule, bufs = config.rule, [local(b) for b in buffers]
         if rule.changes_updates:
@@ -91,7 +96,7 @@ def muon_chunks(params: list[Tensor], config: MuonConfig, *, strategy: Strategy,
         param_states = [list(zip(ts, vs, strict=True)) for ts, vs in zip(held, news, strict=True)] if extra else None
         specs = config.rule.rows_states
         if specs:  # fresh copies: the strategy writes the new ones into them
-            states = [[_rows_state(p, spec, config, strategy, state).clone() for spec in specs] for p in group]
+            states = [[_rows_state(p, spec, config, strategy, state) for spec in specs] for p in group]
             directions = strategy.directions(group, updates, config, states=states)
         else:
             states, directions = None, strategy.directions(group, updates, config)
@@ -102,8 +107,23 @@ def muon_chunks(params: list[Tensor], config: MuonConfig, *, strategy: Strategy,
 
 def _momentum_buffer(p: Tensor, strategy: Strategy, state: State) -> Tensor:
     """``p``'s momentum buffer, or a new zero one (stored only when the step commits)."""
-    buffer = state.get(p, {}).get("momentum_buffer")
-    return strategy.new_state(p, work_dtype(p.dtype)) if buffer is None else buffer
+    return _work_state(p, _MOMENTUM, strategy, state.get(p, _NONE), unsigned=False)
+
+
+def _work_state(p: Tensor, key: str, strategy: Strategy, own: Mapping[str, Any], *, unsigned: bool) -> Tensor:
+    """State ``key`` of ``p`` in the work dtype (an fp32 group's): the stored tensor, a new zero one, or
+    one decoded from the bf16 or 8-bit form a checkpoint or an earlier ``state_dtype`` left."""
+    value = own.get(key)
+    if value is None:
+        return strategy.new_state(p, work_dtype(p.dtype))
+    if value.dtype != work_dtype(p.dtype):
+        return state_precision.to_work(own, key, p, strategy, unsigned=unsigned)
+    return value
+
+
+_MOMENTUM = "momentum_buffer"
+_MOMENTUM_SCALE = _MOMENTUM + SCALE_SUFFIX
+_NONE: dict[str, Any] = {}  # the state of a param that has none yet (read, never written)
 
 
 _SCALES: dict[Hashable, Scale] = {}
@@ -148,20 +168,26 @@ def _scale_values(shapes: tuple[tuple[int, ...], ...], layout: MatrixLayout, adj
     )
 
 
-def _param_state(p: Tensor, spec: StateSpec, strategy: Strategy, state: State) -> Tensor:
-    """``p``'s ``"param"`` state ``spec`` (laid out like ``p``), or a new zero one (stored only when the step commits)."""
-    value = state.get(p, {}).get(spec.key)
-    return strategy.new_state(p, work_dtype(p.dtype)) if value is None else value
+def _param_state(p: Tensor, spec: StateSpec, config: MuonConfig, strategy: Strategy, state: State) -> Tensor:
+    """``p``'s ``"param"`` state ``spec`` (laid out like ``p``; an fp32 working tensor where the group
+    stores states in lower precision), or a new zero one (stored only when the step commits)."""
+    own = state.get(p, _NONE)
+    if config.codec is not None:
+        return config.codec.read(own, spec.key, p, strategy, unsigned=spec.nonnegative)
+    return _work_state(p, spec.key, strategy, own, unsigned=spec.nonnegative)
 
 
 def _rows_state(p: Tensor, spec: StateSpec, config: MuonConfig, strategy: Strategy, state: State) -> Tensor:
-    """``p``'s ``"rows"`` state ``spec``, or a new zero one (stored only when the step commits): one
-    value per matrix row of each whole tensor ``p`` stands for, on every rank."""
-    value = state.get(p, {}).get(spec.key)
-    if value is None:
-        count = row_count(p, spec, whole_shapes=strategy.whole_shapes, layout=config.layout) or 0
-        value = torch.zeros(count, dtype=work_dtype(p.dtype), device=p.device)
-    return value
+    """A fresh fp32 copy of ``p``'s ``"rows"`` state ``spec``, or a new zero one (stored only when the
+    step commits): one value per matrix row of each whole tensor ``p`` stands for, on every rank."""
+    own = state.get(p, _NONE)
+    value = own.get(spec.key)
+    if value is not None:
+        if config.codec is None and value.dtype == work_dtype(p.dtype):
+            return value.clone()
+        return state_precision.decode(own, spec.key, unsigned=spec.nonnegative).to(work_dtype(p.dtype), copy=True)
+    count = row_count(p, spec, whole_shapes=strategy.whole_shapes, layout=config.layout) or 0
+    return torch.zeros(count, dtype=work_dtype(p.dtype), device=p.device)
 
 
 def commit_batches(chunks: Iterable[MuonChunk]) -> Iterator[list[MuonChunk]]:
@@ -212,14 +238,24 @@ def commit_muon(
     wrote()
     if stream is not None:
         stream.created += [p for p in params if p not in state]
-    for p, buffer in zip(params, buffers, strict=True):
-        state[p]["momentum_buffer"] = buffer
+    codec, mask = config.codec, ok if isinstance(ok, Tensor) else None
+    if codec is None:
+        for p, buffer in zip(params, buffers, strict=True):
+            state[p][_MOMENTUM] = buffer
+            state[p].pop(_MOMENTUM_SCALE, None)  # codes replaced by the fp32 buffer
+    else:
+        for p in params:
+            codec.advance(state[p], p, mask)
     for chunk in chunks:
         for p, pairs in zip(chunk.params, chunk.param_states or [], strict=False):
             for spec, (held, value) in zip(config.rule.param_states, pairs, strict=True):
+                if codec is not None:
+                    codec.write(state[p], spec.key, value, p, strategy, unsigned=spec.nonnegative, ok=mask)
+                    continue
                 state[p][spec.key] = held
-                if isinstance(ok, Tensor):  # masked: unchanged unless ok
-                    where_([local(held)], [value], ok)
+                state[p].pop(spec.key + SCALE_SUFFIX, None)
+                if mask is not None:  # masked: unchanged unless ok
+                    where_([local(held)], [value], mask)
                 else:
                     local(held).copy_(value)
     specs = config.rule.rows_states
@@ -228,10 +264,15 @@ def commit_muon(
             continue
         for p, values in zip(chunk.params, chunk.states, strict=True):
             for spec, value in zip(specs, values, strict=True):
+                if codec is not None:
+                    codec.write_rows(state[p], spec.key, value, unsigned=spec.nonnegative, ok=mask)
+                    continue
                 old = state[p].get(spec.key)
-                if isinstance(ok, Tensor):  # masked: the old values (or zeros) unless ok
-                    value = torch.where(ok, value, torch.zeros_like(value) if old is None else old)
+                if mask is not None:  # masked: the old values (or zeros) unless ok
+                    old = old if old is None or old.dtype == value.dtype else state_precision.decode(state[p], spec.key)
+                    value = torch.where(mask, value, torch.zeros_like(value) if old is None else old)
                 state[p][spec.key] = value
+                state[p].pop(spec.key + SCALE_SUFFIX, None)
     grads = [local(cast(Tensor, p.grad)) for p in params]
     if isinstance(ok, Tensor):
         momentum_masked_([local(b) for b in buffers], grads, momentum=config.momentum, ok=ok)
@@ -252,6 +293,9 @@ def commit_muon(
             weight_decay=rates[1],
             cautious_wd=config.cautious_wd,
         )
+    if codec is not None:
+        for p, buffer in zip(params, buffers, strict=True):
+            codec.write(state[p], _MOMENTUM, buffer, p, strategy, ok=mask)
     if config.rule.has_commit_hook:
         config.rule.committed([local(p) for p in params], config)
     for chunk in chunks:
@@ -273,14 +317,26 @@ def adamw_step(
     if not params:
         return
     wrote()
-    local = strategy.local
+    local, codec = strategy.local, config.codec
     exp_avgs, exp_avg_sqs, steps = [], [], []
     for p in params:
         own = state[p]
         if "step" not in own:
             own["step"] = torch.zeros((), dtype=torch.float32, device=p.device if capturable else "cpu")
-            own["exp_avg"] = strategy.new_state(p, work_dtype(p.dtype))
-            own["exp_avg_sq"] = strategy.new_state(p, work_dtype(p.dtype))
+            if codec is None:
+                own["exp_avg"] = strategy.new_state(p, work_dtype(p.dtype))
+                own["exp_avg_sq"] = strategy.new_state(p, work_dtype(p.dtype))
+        elif codec is None and (
+            own["exp_avg"].dtype != work_dtype(p.dtype) or own["exp_avg_sq"].dtype != own["exp_avg"].dtype
+        ):
+            for key in ("exp_avg", "exp_avg_sq"):  # decoded from a checkpoint's or an earlier state_dtype's form
+                own[key] = _work_state(p, key, strategy, own, unsigned=key == "exp_avg_sq")
+                own.pop(key + SCALE_SUFFIX, None)
+        if codec is not None:  # fp32 working copies, stored back after the step
+            exp_avgs.append(codec.read(own, "exp_avg", p, strategy))
+            exp_avg_sqs.append(codec.read(own, "exp_avg_sq", p, strategy, unsigned=True))
+            steps.append(own["step"])
+            continue
         exp_avgs.append(local(own["exp_avg"]))
         exp_avg_sqs.append(local(own["exp_avg_sq"]))
         steps.append(own["step"])
@@ -297,3 +353,7 @@ def adamw_step(
         weight_decay=rates[1],
         cautious_wd=config.cautious_wd,
     )
+    if codec is not None:
+        for p, m, v in zip(params, exp_avgs, exp_avg_sqs, strict=True):
+            codec.write(state[p], "exp_avg", m, p, strategy)
+            codec.write(state[p], "exp_avg_sq", v, p, strategy, unsigned=True)

@@ -23,12 +23,20 @@ from muonkit.functional.rules import RULES
 from muonkit.functional.update_rule import StateSpec
 from muonkit.group_checks import SWAPPED_PARAMS, check_muon_params
 from muonkit.limits import exp_avg_limit, work_dtype
+from muonkit.state_precision import SCALE_SUFFIX, check_stored
 
 STATE_KEYS = {
     **{name: tuple(s.key for s in rule.states) for name, rule in RULES.items()},
     "adamw": ("exp_avg", "exp_avg_sq", "step"),
 }
 """The state each algorithm keeps per param, and nothing else."""
+
+_LOW_PRECISION_KEYS = {
+    algorithm: frozenset([*(k + SCALE_SUFFIX for k in keys if k != "step"), *(["step"] if algorithm in RULES else [])])
+    for algorithm, keys in STATE_KEYS.items()
+}
+"""The entries a state may hold beside :data:`STATE_KEYS` (:mod:`muonkit.state_precision`): an 8-bit
+state's block scales, and the step count salting a Muon-family param's bf16 rounding."""
 
 STEP_MAX = torch.finfo(torch.float32).max
 """The largest step count a state may hold: AdamW keeps it in float32 (a step at this count stays finite)."""
@@ -109,7 +117,7 @@ def check_param_state(
         return
     expected = STATE_KEYS[algorithm]
     missing = [k for k in expected if k not in state]
-    unexpected = sorted(k for k in state if k not in expected)
+    unexpected = sorted(k for k in state if k not in expected and k not in _LOW_PRECISION_KEYS[algorithm])
     if missing or unexpected:
         what = f"lacks {missing}" if missing else f"has keys a {algorithm} group does not keep: {unexpected}"
         raise ValueError(f"Saved state of param {index} (group {group}, {algorithm}) {what}; has {sorted(state)}")
@@ -120,6 +128,8 @@ def check_param_state(
         if key == "step":
             check_step(value, group, index)
             continue
+        if key.endswith(SCALE_SUFFIX):
+            continue  # checked with its codes (check_stored)
         count = rows(p, spec) if spec is not None and rows is not None else None
         want = tuple(p.shape) if spec is None else (count,) if count is not None else None
         if not isinstance(value, Tensor) or (tuple(value.shape) != want if want is not None else value.ndim != 1):
@@ -130,8 +140,14 @@ def check_param_state(
             raise ValueError(
                 f"Saved {key} of param {index} (group {group}) has dtype {value.dtype}: must be floating point"
             )
+        try:
+            values = check_stored(state, key, p, local, unsigned=key in NONNEGATIVE, rows=spec is not None)
+        except ValueError as e:
+            raise ValueError(f"Saved state of param {index} (group {group}): {e}") from None
         bound = state_bound(key, p, config)
-        check_state_values(value if spec is not None else local(value), key, group, index, bound=bound)
+        check_state_values(values, key, group, index, bound=bound)
+    if algorithm in RULES and "step" in state:  # the count salting a bf16 state's rounding
+        check_step(state["step"], group, index)
 
 
 def row_count(

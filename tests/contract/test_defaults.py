@@ -58,7 +58,7 @@ def test_muon_keywords_are_torch_muons_defaults() -> None:
 def test_deepspeed_options_are_the_defaults() -> None:
     options = dataclasses.asdict(MuonkitOptions())
     shared = [k for k in FIELDS if k in options]
-    assert len(shared) == 19  # all but layout and split_sizes (routing decides those) and capturable
+    assert len(shared) == 20  # all but layout and split_sizes (routing decides those) and capturable
     assert {k: options[k] for k in shared} == {k: getattr(DEFAULTS, k) for k in shared}
 
 
@@ -71,7 +71,7 @@ def test_deepspeed_table_states_the_defaults() -> None:
     )
     rows = dict(re.findall(r"^\| `(\w+)` \| (.+?) \|", table, flags=re.M))
     stated = {k: _json_literal(v) for k, v in rows.items() if k in FIELDS}
-    assert len(stated) == 19
+    assert len(stated) == 20
     assert stated == {k: _as_json(getattr(DEFAULTS, k)) for k in stated}
 
 
@@ -146,7 +146,7 @@ ALTERNATIVES: dict[str, Any] = {
     "weight_decay": 0.1, "adjust_lr": "spectral", "layout": "matrix", "split_sizes": (4, 4),
     "ns_dtype": torch.float64, "ns_method": "newton_schulz", "adamw_lr": 1e-3, "betas": (0.8, 0.9),
     "adamw_eps": 1e-7, "adamw_weight_decay": 0.01, "nonfinite": "raise", "normuon_beta2": 0.9,
-    "normuon_eps": 1e-9, "cautious_wd": True, "capturable": True, "ns_compile": True,
+    "normuon_eps": 1e-9, "cautious_wd": True, "state_dtype": "8bit", "capturable": True, "ns_compile": True,
 }  # fmt: skip
 """A value other than the default for each keyword of ``Defaults``."""
 

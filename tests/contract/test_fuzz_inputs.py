@@ -79,6 +79,7 @@ GROUP_VALUES: dict[str, st.SearchStrategy[Any]] = {
     "betas": _pair(unit),
     "cautious_wd": _or_anything(st.booleans()),
     "ns_compile": _or_anything(st.booleans()),
+    "state_dtype": _or_anything(st.sampled_from(["fp32", "bf16", "8bit", "fp16", "int8"])),
     "algorithm": st.sampled_from(["muon", "muon", "adamw", None, "sgd", 3, "normuon"]),
 }
 UNKNOWN_KEYS = ["ns_step", "adjust_lr_fn", "momentun", "foreach", "maximize", "beta1", "color", "LR"]
@@ -129,6 +130,7 @@ def _check_stored(group: dict[str, Any]) -> None:
     lr, eps, wd = _real(group["lr"]), _real(group["eps"]), _real(group["weight_decay"])
     assert math.isfinite(lr) and lr >= 0 and math.isfinite(eps) and eps > 0 and math.isfinite(wd) and wd >= 0
     assert type(group["cautious_wd"]) is bool
+    assert group["state_dtype"] in ("fp32", "bf16", "8bit")
     assert ("beta2" in group) == (group["algorithm"] == "normuon")
     if group["algorithm"] == "normuon":
         assert 0 <= _real(group["beta2"]) < 1

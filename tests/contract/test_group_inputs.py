@@ -159,10 +159,10 @@ def test_bad_numbers_of_any_type_are_refused(key: str, value: Any, message: str)
 
 # ---------------------------------------------------------------------------- unknown keys
 
-MUON_LIST = "('lr', 'momentum', 'nesterov', 'ns_coefficients', 'ns_steps', 'eps', 'weight_decay', 'adjust_lr', 'layout', 'split_sizes', 'split_along', 'ns_dtype', 'ns_method', 'cautious_wd', 'ns_compile')"
+MUON_LIST = "('lr', 'momentum', 'nesterov', 'ns_coefficients', 'ns_steps', 'eps', 'weight_decay', 'adjust_lr', 'layout', 'split_sizes', 'split_along', 'ns_dtype', 'ns_method', 'cautious_wd', 'ns_compile', 'state_dtype')"
 ALLOWED = (
     f": Muon groups take {MUON_LIST}, NorMuon groups also 'beta2', "
-    "AdamW groups ('lr', 'betas', 'eps', 'weight_decay', 'cautious_wd')"
+    "AdamW groups ('lr', 'betas', 'eps', 'weight_decay', 'cautious_wd', 'state_dtype')"
 )
 UNKNOWN: list[tuple[str, Any, str]] = [
     ("ns_step", 3, " (did you mean 'ns_steps'?)"),
@@ -260,7 +260,7 @@ def test_scheduler_keys_are_accepted_before_and_after_construction() -> None:
     muonkit.HybridMuon(copied).step()
 
 
-ADAMW_READS = "('lr', 'betas', 'eps', 'weight_decay', 'cautious_wd')"
+ADAMW_READS = "('lr', 'betas', 'eps', 'weight_decay', 'cautious_wd', 'state_dtype')"
 UNREAD = [  # (algorithm, key, value): a key the group's algorithm never reads
     ("adamw", "ns_steps", 3),
     ("adamw", "momentum", 0.9),

@@ -31,6 +31,7 @@ from muonkit.distributed.pieces import Box, Expert, Piece, Region
 from muonkit.functional.matrices import MatrixLayout
 from muonkit.functional.muon import NSOptions, rule_directions
 from muonkit.functional.orthogonalize import default_compute_dtype, orthogonalization_flops
+from muonkit.functional.quantize import block_shape
 from muonkit.functional.sharded import Reduce, orthogonalize_shard
 
 FSDP1_FLATTENED = "_fsdp_flattened"
@@ -259,9 +260,16 @@ class Strategy(ABC):
         """The part of ``t`` stored on this rank, as a plain tensor."""
         return t
 
-    def new_state(self, param: Tensor, dtype: torch.dtype) -> Tensor:
-        """A zero state buffer laid out like ``param`` (sharded the same way), in ``dtype``."""
-        return torch.zeros_like(param, dtype=dtype, memory_format=torch.preserve_format)
+    def new_state(self, param: Tensor, dtype: torch.dtype, *, blocks: int | None = None) -> Tensor:
+        """A zero state buffer laid out like ``param`` (sharded the same way), in ``dtype``.
+
+        ``blocks=B``: instead one value per block of at most ``B`` consecutive values along the
+        last dimension of the local tensor (each row cut from its start): the scales of a
+        blockwise code (:mod:`muonkit.state_precision`), laid out like ``param`` on its other
+        dimensions; a 0-dim param has one block."""
+        if blocks is None:
+            return torch.zeros_like(param, dtype=dtype, memory_format=torch.preserve_format)
+        return torch.zeros(block_shape(tuple(param.shape), blocks), dtype=dtype, device=param.device)
 
     def whole_shapes(self, param: Tensor) -> list[tuple[int, ...]]:
         """Shapes of the whole tensors a param of the optimizer stands for (for validation).

@@ -51,7 +51,7 @@ from torch.distributed.tensor import DTensor
 
 from muonkit.config import MuonConfig
 from muonkit.distributed.base import Held
-from muonkit.distributed.dtensor_placement import mesh_group, tensor_jobs
+from muonkit.distributed.dtensor_placement import block_state, mesh_group, tensor_jobs
 from muonkit.distributed.executor import PlannedStrategy
 from muonkit.distributed.guard import MeshGuard
 from muonkit.distributed.parallelism import parallelism_name
@@ -96,8 +96,10 @@ class DTensorStrategy(PlannedStrategy):
     def local(self, t: Tensor) -> Tensor:
         return t.to_local() if isinstance(t, DTensor) else t
 
-    def new_state(self, param: Tensor, dtype: torch.dtype) -> Tensor:
-        return torch.zeros_like(param, dtype=dtype)  # a DTensor with the param's mesh and placements
+    def new_state(self, param: Tensor, dtype: torch.dtype, *, blocks: int | None = None) -> Tensor:
+        if blocks is None or not isinstance(param, DTensor):
+            return super().new_state(param, dtype, blocks=blocks)  # a DTensor keeps the param's mesh and placements
+        return block_state(param, dtype, blocks)
 
     def regions(self, param: Tensor) -> tuple[Held, ...]:
         """This rank's box of the DTensor ``param`` (its ``to_local()``, in storage order); a plain

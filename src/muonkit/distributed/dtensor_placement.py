@@ -513,3 +513,43 @@ def _spanning_group(meshes: list[DeviceMesh], span: frozenset[int]) -> Any:
             "mesh_dim_names=...) or pass process_group= (a group over exactly those ranks)"
         )
     return mesh._flatten().get_group()
+
+
+def block_state(param: Any, dtype: torch.dtype, blocks: int) -> Any:
+    """A zero DTensor holding one value per block of at most ``blocks`` values along the last dim of
+    ``param``'s local tensor (each local row cut from its start), laid out like ``param`` on its other dims.
+
+    Where no placement shards the last dim, every rank's blocks are the whole tensor's: the global
+    shape is ``(*shape[:-1], ceil(cols / blocks))`` with ``param``'s placements, and a checkpoint
+    reshards it like any state. Where some do, each rank holds ``k = ceil(c / blocks)`` values per
+    row (``c``: the most columns a rank holds); the last dim is ``k`` times the number of shards of
+    it (a rank holding fewer columns leaves its last values unused).
+    """
+    from torch.distributed.tensor import DTensor
+
+    local = param.to_local()
+    shape = tuple(param.shape)
+    if not shape:
+        return DTensor.from_local(
+            torch.zeros(1, dtype=dtype, device=local.device), param.device_mesh, param.placements, run_check=False
+        )
+    last = len(shape) - 1
+    cuts = [
+        param.device_mesh.size(i)
+        for i, placement in enumerate(param.placements)
+        if isinstance(placement, Shard | _StridedShard) and placement.dim in (last, -1)
+    ]
+    count = -(-local.shape[-1] // blocks)
+    if cuts:
+        most = shape[-1]
+        for n in cuts:
+            most = -(-most // n)
+        count = -(-most // blocks)
+        whole = (*shape[:-1], count * math.prod(cuts))
+    else:
+        whole = (*shape[:-1], -(-shape[-1] // blocks))
+    values = torch.zeros((*local.shape[:-1], count), dtype=dtype, device=local.device)
+    stride = tuple(math.prod(whole[i + 1 :]) for i in range(len(whole)))
+    return DTensor.from_local(
+        values, param.device_mesh, param.placements, run_check=False, shape=torch.Size(whole), stride=stride
+    )

@@ -100,6 +100,7 @@ def make_optimizer(
     process_group: Any | None = None,
     muon_algorithm: str = "muon",
     cautious_wd: bool = DEFAULTS.cautious_wd,
+    state_dtype: str = DEFAULTS.state_dtype,
     **muon_options: Any,
 ) -> HybridMuon:
     """A :class:`muonkit.HybridMuon` for ``model`` with the settings of ``args`` (``TrainingArguments``).
@@ -113,6 +114,8 @@ def make_optimizer(
       ``muon_algorithm`` names their update rule (:data:`muonkit.functional.rules.RULES`; the
       rule's own keys among ``muon_options``, else HybridMuon's defaults for that rule).
     - ``cautious_wd``: cautious weight decay on every group (every update rule and AdamW).
+    - ``state_dtype``: how every group keeps its states (``"fp32"``, ``"bf16"``, ``"8bit"``:
+      :mod:`muonkit.state_precision`).
     - ``split_qkv``, ``per_head`` (``heads``, ``head_dim``): how attention projections are cut
       (:func:`muonkit.param_groups`).
     - Any other keyword of :class:`muonkit.HybridMuon` among ``muon_options`` that is not a Muon
@@ -160,6 +163,7 @@ def make_optimizer(
         "adamw_lr": adamw_lr,
         "adamw_weight_decay": wd,
         "cautious_wd": cautious_wd,
+        "state_dtype": state_dtype,
     }
     return HybridMuon(no_decay_on_vectors(groups), process_group=process_group, **{**settings, **adamw, **keywords})
 

@@ -1,0 +1,283 @@
+"""How a group keeps its optimizer states at rest: ``state_dtype="fp32" | "bf16" | "8bit"``.
+
+Every state (Muon's momentum, an update rule's states such as NorMuon's row moments, AdamW's
+``exp_avg`` and ``exp_avg_sq``) is computed in fp32 (the work dtype: fp64 for fp64 params) and
+stored in its group's precision:
+
+==========  ===============================================  ==================
+precision   at rest, per state key ``K``                     bytes per value
+==========  ===============================================  ==================
+``fp32``    ``K``: the work-dtype tensor, updated in place   4 (8, fp64 params)
+``bf16``    ``K``: bf16, stochastically rounded at each      2
+            write; ``step`` (Muon-family params) salts it
+``8bit``    ``K``: ``float8_e4m3fn`` codes laid out like     1 + 4 / 256
+            the state; ``K_scale``: fp32, one per block of
+            <= 256 values along the local tensor's last dim
+==========  ===============================================  ==================
+
+(:mod:`muonkit.functional.quantize` has the codes and the rounding.) In ``fp32`` nothing here
+runs: the state tensor is the working tensor, as before this option existed (the same bits, no
+copy). In ``bf16`` and ``8bit`` a :class:`Codec` reads each state into an fp32 working tensor
+(:meth:`Codec.read`), the step updates it as always, and the codec stores it back
+(:meth:`Codec.write`; a device verdict masks the store). The strategies lay the stored tensors
+out (``new_state``, the scales with ``blocks=``); the planner and the exchanges see fp32 values.
+
+**Changing precision.** A state stored in another form than its group's precision (a checkpoint
+saved with ``state_dtype="8bit"`` loaded by an optimizer made with ``"fp32"``, or a group whose
+``state_dtype`` was changed) loads as saved (:func:`loaded`) and is converted at the param's next
+step: decoded by its first read, stored in the group's precision by its write (the old form's
+``K_scale`` entries dropped). A checkpoint does not change a group's ``state_dtype``: the
+optimizer's own setting wins.
+:func:`check_stored` refuses a stored form that could not have been written: codes without
+scales, scales of the wrong shape, negative or non-finite scales, NaN codes.
+
+Example::
+
+    >>> bytes_per_value("8bit", torch.float32)
+    1.015625
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, MutableMapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from muonkit.functional.quantize import (
+    BLOCK,
+    CODE_DTYPE,
+    SCALE_SUFFIX,
+    STATE_DTYPES,
+    block_count,
+    block_shape,
+    dequantize_blockwise,
+    quantize_into,
+    round_bf16,
+    salt_of,
+    work_dtype,
+)
+
+if TYPE_CHECKING:
+    from muonkit.distributed.base import Strategy
+
+__all__ = [
+    "CODECS",
+    "SCALE_SUFFIX",
+    "STATE_DTYPES",
+    "Codec",
+    "bytes_per_value",
+    "check_stored",
+    "decode",
+    "loaded",
+    "to_work",
+]
+
+SALT_KEY = "step"
+"""The count that salts bf16's stochastic rounding: AdamW's own ``step``; a Muon-family param keeps one in bf16."""
+
+Own = MutableMapping[str, Any]
+Local = Callable[[Tensor], Tensor]
+
+
+def bytes_per_value(state_dtype: str, dtype: torch.dtype) -> float:
+    """Bytes per stored state value (scales included) of a param in ``dtype`` at ``state_dtype``."""
+    if state_dtype == "8bit":
+        return 1.0 + 4.0 / BLOCK
+    return 2.0 if state_dtype == "bf16" else float(work_dtype(dtype).itemsize)
+
+
+def _plain(t: Tensor) -> Tensor:
+    return t
+
+
+def decode(own: Mapping[str, Any], key: str, local: Local = _plain, *, unsigned: bool = False) -> Tensor:
+    """The local values of the state ``key`` of ``own`` (one param's state) in fp32 (a new tensor), or
+    the stored tensor itself where it is already in a work dtype. ``local``: the strategy's view of
+    the part this rank holds (plain tensors: themselves)."""
+    value = local(own[key])
+    if value.dtype == CODE_DTYPE:
+        scales = local(own[key + SCALE_SUFFIX])
+        cols = value.shape[-1] if value.dim() else 1
+        return dequantize_blockwise(value, scales[..., : block_count(cols)], signed=not unsigned)
+    return value.float() if value.dtype == torch.bfloat16 else value
+
+
+class Codec:
+    """A lower-precision way of keeping states: how to read one into an fp32 working tensor and store it back."""
+
+    name = "abstract"
+
+    def read(
+        self, own: Mapping[str, Any], key: str, p: Tensor, strategy: Strategy, *, unsigned: bool = False
+    ) -> Tensor:
+        """A new working tensor (local, the work dtype) of state ``key`` of ``p`` (``own``: its state),
+        decoded from whatever form it is stored in, or zeros where ``p`` has none yet."""
+        if key not in own:
+            return torch.zeros_like(strategy.local(p), dtype=work_dtype(p.dtype))
+        return decode(own, key, strategy.local, unsigned=unsigned).to(work_dtype(p.dtype), copy=True)
+
+    def advance(self, own: Own, p: Tensor, ok: Tensor | None) -> None:
+        """Called once per committed Muon-family param and step, before its states are written."""
+        del own, p, ok
+
+    def write(
+        self,
+        own: Own,
+        key: str,
+        value: Tensor,
+        p: Tensor,
+        strategy: Strategy,
+        *,
+        unsigned: bool = False,
+        ok: Tensor | None = None,
+    ) -> None:
+        """Store ``value`` (local fp32 values of state ``key`` of ``p``), replacing any other stored form;
+        ``ok``: a device verdict, where False leaves the stored values as they were."""
+        raise NotImplementedError
+
+    def write_rows(self, own: Own, key: str, value: Tensor, *, unsigned: bool, ok: Tensor | None) -> None:
+        """Store a ``"rows"`` state's new values (masked by ``ok``)."""
+        raise NotImplementedError
+
+
+class BF16(Codec):
+    """bf16 at rest, stochastically rounded (:func:`~muonkit.functional.quantize.round_bf16`), salted by
+    the param's step count: a Muon-family param keeps its own ``step`` (AdamW's counts already)."""
+
+    name = "bf16"
+
+    def advance(self, own: Own, p: Tensor, ok: Tensor | None) -> None:
+        step = own.get(SALT_KEY)
+        if step is None:
+            step = own[SALT_KEY] = torch.zeros((), dtype=torch.float32, device=p.device if ok is not None else "cpu")
+        step.add_(1 if ok is None else ok.to(step.dtype))
+
+    def write(
+        self,
+        own: Own,
+        key: str,
+        value: Tensor,
+        p: Tensor,
+        strategy: Strategy,
+        *,
+        unsigned: bool = False,
+        ok: Tensor | None = None,
+    ) -> None:
+        stored = own.get(key)
+        if stored is None or stored.dtype != torch.bfloat16:
+            stored = own[key] = strategy.new_state(p, torch.bfloat16)
+            own.pop(key + SCALE_SUFFIX, None)
+        _store_bf16(strategy.local(stored), value, own, key, ok)
+
+    def write_rows(self, own: Own, key: str, value: Tensor, *, unsigned: bool, ok: Tensor | None) -> None:
+        stored = own.get(key)
+        if stored is None or stored.dtype != torch.bfloat16:
+            stored = own[key] = torch.zeros(value.shape, dtype=torch.bfloat16, device=value.device)
+            own.pop(key + SCALE_SUFFIX, None)
+        _store_bf16(stored, value, own, key, ok)
+
+
+def _store_bf16(target: Tensor, value: Tensor, own: Own, key: str, ok: Tensor | None) -> None:
+    """``value`` rounded stochastically into ``target`` (where ``ok``), salted by ``own``'s step and ``key``."""
+    step = own.get(SALT_KEY)
+    new = round_bf16(value, salt_of(0 if step is None else step, key))
+    target.copy_(new if ok is None else torch.where(ok, new, target))
+
+
+class Blockwise8(Codec):
+    """8-bit at rest: ``float8_e4m3fn`` codes and fp32 block scales (:mod:`muonkit.functional.quantize`)."""
+
+    name = "8bit"
+
+    def write(
+        self,
+        own: Own,
+        key: str,
+        value: Tensor,
+        p: Tensor,
+        strategy: Strategy,
+        *,
+        unsigned: bool = False,
+        ok: Tensor | None = None,
+    ) -> None:
+        codes, scales = own.get(key), own.get(key + SCALE_SUFFIX)
+        if codes is None or codes.dtype != CODE_DTYPE or scales is None:
+            codes = own[key] = strategy.new_state(p, CODE_DTYPE)
+            scales = own[key + SCALE_SUFFIX] = strategy.new_state(p, torch.float32, blocks=BLOCK)
+        local_codes = strategy.local(codes)
+        cols = local_codes.shape[-1] if local_codes.dim() else 1
+        _store_8bit(local_codes, strategy.local(scales)[..., : block_count(cols)], value, unsigned, ok)
+
+    def write_rows(self, own: Own, key: str, value: Tensor, *, unsigned: bool, ok: Tensor | None) -> None:
+        codes, scales = own.get(key), own.get(key + SCALE_SUFFIX)
+        if codes is None or codes.dtype != CODE_DTYPE or scales is None:
+            codes = own[key] = torch.zeros(value.shape, dtype=CODE_DTYPE, device=value.device)
+            scales = own[key + SCALE_SUFFIX] = torch.zeros(block_shape(tuple(value.shape), BLOCK), device=value.device)
+        _store_8bit(codes, scales, value, unsigned, ok)
+
+
+def _store_8bit(codes: Tensor, scales: Tensor, value: Tensor, unsigned: bool, ok: Tensor | None) -> None:
+    """``value``'s codes and scales into ``codes`` and ``scales``; where ``ok`` is False, the stored ones stay."""
+    if ok is None:
+        quantize_into(codes, scales, value, signed=not unsigned, check=False)
+        return
+    new_codes, new_scales = torch.empty_like(codes), torch.empty_like(scales)
+    quantize_into(new_codes, new_scales, value, signed=not unsigned, check=False)
+    raw = codes.view(torch.uint8)
+    raw.copy_(torch.where(ok, new_codes.view(torch.uint8), raw))
+    scales.copy_(torch.where(ok, new_scales, scales))
+
+
+CODECS: dict[str, Codec | None] = {"fp32": None, "bf16": BF16(), "8bit": Blockwise8()}
+"""Each ``state_dtype``'s codec; ``fp32`` has none (the state is the working tensor)."""
+
+
+def to_work(own: Mapping[str, Any], key: str, p: Tensor, strategy: Strategy, *, unsigned: bool) -> Tensor:
+    """State ``key`` of ``p`` decoded from its stored form into a new work-dtype state laid out like ``p``
+    (where an fp32 group finds a bf16 or 8-bit state: a checkpoint's, or an earlier ``state_dtype``'s)."""
+    new = strategy.new_state(p, work_dtype(p.dtype))
+    strategy.local(new).copy_(decode(own, key, strategy.local, unsigned=unsigned))
+    return new
+
+
+def check_stored(own: Mapping[str, Any], key: str, p: Tensor, local: Local, *, unsigned: bool, rows: bool) -> Tensor:
+    """Refuse a stored form of state ``key`` of ``p`` no step could have written (``ValueError``:
+    codes without their scales, scales of the wrong shape, negative or non-finite scales, an
+    unknown dtype); returns the local values decoded (for the value checks). ``rows``: a ``"rows"``
+    state (plain, whole)."""
+    value = own[key]
+    view = _plain if rows else local
+    if value.dtype == CODE_DTYPE:
+        scales = own.get(key + SCALE_SUFFIX)
+        if not isinstance(scales, Tensor):
+            raise ValueError(f"8-bit state {key!r} has no {key + SCALE_SUFFIX!r}: its block scales are missing")
+        codes, held = view(value), view(scales)
+        want = block_shape(tuple(codes.shape), BLOCK)
+        if held.dtype != torch.float32 or tuple(held.shape[:-1]) != want[:-1] or held.shape[-1] < want[-1]:
+            raise ValueError(
+                f"Scales {key + SCALE_SUFFIX!r} have shape {tuple(held.shape)} and dtype {held.dtype}: 8-bit codes of "
+                f"local shape {tuple(codes.shape)} need float32 scales of shape {want} (one per block of {BLOCK})"
+            )
+        if held.numel() and not bool((torch.isfinite(held) & (held >= 0)).all()):
+            raise ValueError(f"Scales {key + SCALE_SUFFIX!r} hold negative, NaN or inf values: the state is corrupted")
+    elif key + SCALE_SUFFIX in own:
+        raise ValueError(f"State {key!r} is {value.dtype}, not 8-bit codes, yet has scales {key + SCALE_SUFFIX!r}")
+    elif not value.is_floating_point():
+        raise ValueError(f"State {key!r} has dtype {value.dtype}: must be floating point (or 8-bit codes)")
+    return decode(own, key, view, unsigned=unsigned)
+
+
+def loaded(own: Mapping[str, Any], p: Tensor) -> dict[str, Tensor]:
+    """A param's saved state tensors as loaded (new tensors on ``p``'s device, never ``own``'s; ``step``
+    left out, the caller makes it): 8-bit codes, their scales and bf16 states as saved, every other
+    float state in ``p``'s work dtype. A group of another precision converts them at the param's
+    next step (its first read decodes any stored form)."""
+    out: dict[str, Tensor] = {}
+    for key, value in own.items():
+        if not isinstance(value, Tensor) or key == "step":
+            continue
+        kept = value.dtype in (CODE_DTYPE, torch.bfloat16) or key.endswith(SCALE_SUFFIX)
+        out[key] = value.to(device=p.device, dtype=value.dtype if kept else work_dtype(p.dtype), copy=True)
+    return out
