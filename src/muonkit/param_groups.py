@@ -7,6 +7,8 @@ print(muonkit.explain(model))
 
 from __future__ import annotations
 
+import math
+
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -16,6 +18,7 @@ from torch import nn
 
 from muonkit.config import ADAMW_KEYS, MATRIX_ALGORITHMS, RULE_KEYS, check_group_keys
 from muonkit.defaults import DEFAULTS
+from muonkit.functional.quantize import STATE_DTYPES, block_count
 from muonkit.routing import STATE_BYTES, Route, RuleLike, route
 
 
@@ -171,6 +174,24 @@ class RoutingReport:
         """Optimizer-state bytes if every parameter were on AdamW (8 B/param)."""
         return self.total_params * STATE_BYTES["adamw"]
 
+    def state_bytes(self, state_dtype: str = "fp32") -> int:
+        """Optimizer-state bytes under HybridMuon with every group's ``state_dtype`` (one or two
+        states per tensor, :mod:`muonkit.state_precision`): fp32 4 B per value, bf16 2 B, 8-bit 1 B
+        plus one fp32 scale per block of 256 along each row (counted on the whole tensor; a shard's
+        blocks start at its own row starts). Step counters are not counted."""
+        if state_dtype not in STATE_DTYPES:
+            raise ValueError(f"Invalid state_dtype={state_dtype!r}: must be one of {STATE_DTYPES}")
+        total = 0
+        for r in self.routes:
+            states = STATE_BYTES[r.algorithm] // 4  # fp32 bytes per param / 4: how many states it keeps
+            if state_dtype == "8bit":
+                rows = math.prod(r.shape[:-1]) if r.shape else 1
+                per_state = r.numel + 4 * rows * block_count(r.shape[-1] if r.shape else 1)
+            else:
+                per_state = r.numel * (2 if state_dtype == "bf16" else 4)
+            total += states * per_state
+        return total
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "tensors": [
@@ -185,7 +206,11 @@ class RoutingReport:
             ],
             "params": {"muon": self.numel("muon"), "adamw": self.numel("adamw"), "total": self.total_params},
             "muon_fraction": self.muon_fraction,
-            "state_bytes": {"hybrid_muon": self.hybrid_state_bytes, "adamw": self.adamw_state_bytes},
+            "state_bytes": {
+                "hybrid_muon": self.hybrid_state_bytes,
+                "adamw": self.adamw_state_bytes,
+                **{f"hybrid_muon_{d}": self.state_bytes(d) for d in STATE_DTYPES if d != "fp32"},
+            },
         }
 
     def __str__(self) -> str:
@@ -202,6 +227,11 @@ class RoutingReport:
             f"Muon fraction f: {self.muon_fraction:>14.3f}",
             f"optimizer state: HybridMuon {_gib(self.hybrid_state_bytes)} vs AdamW {_gib(self.adamw_state_bytes)}"
             f" ({saving:.1%} less; f/2 = {self.muon_fraction / 2:.1%})",
+            "state_dtype:     "
+            + ", ".join(
+                f"{d} {_gib(self.state_bytes(d))} ({self.state_bytes(d) / max(self.adamw_state_bytes, 1):.1%} of AdamW's)"
+                for d in STATE_DTYPES
+            ),
         ]
         return "\n".join(lines)
 

@@ -26,6 +26,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from muonkit.functional.quantize import STATE_DTYPES
 from muonkit_bench.cli import chosen
 from muonkit_bench.memory_math import OPTIMIZERS, STAGES, ElementBytes, Savings, zero_table
 
@@ -73,6 +74,8 @@ def model_report(name: str, config: dict[str, Any], *, world_size: int, sizes: E
         "muon_fraction": report.muon_fraction,
         "saving_states": savings.states,
         "saving_states_and_master": savings.states_and_master,
+        "state_bytes": {"adamw_fp32": report.adamw_state_bytes}
+        | {f"hybrid_{d}": report.state_bytes(d) for d in STATE_DTYPES},
         "world_size": world_size,
         "zero": {str(stage): {opt: rank.to_dict() for opt, rank in by_opt.items()} for stage, by_opt in table.items()},
     }
@@ -89,6 +92,11 @@ def format_report(r: dict[str, Any]) -> str:
         f"{p['muon'] / 1e9:.3f}B on Muon, f = {r['muon_fraction']:.3f}",
         f"  optimizer states: -{r['saving_states']:.1%} (f/2);  states + fp32 master: "
         f"-{r['saving_states_and_master']:.1%} (f/3)",
+        "  whole optimizer state (GiB, % of fp32 AdamW's): "
+        + ";  ".join(
+            f"{k.replace('_', ' ')} {gib(v)} ({v / r['state_bytes']['adamw_fp32']:.1%})"
+            for k, v in r["state_bytes"].items()
+        ),
         f"  per-rank model states at world size {r['world_size']} (GiB; bf16 params and grads, fp32 master and states):",
         "  stage  params  grads  master  states(AdamW)  states(Hybrid)  total(AdamW)  total(Hybrid)  saving",
     ]
@@ -123,21 +131,23 @@ def run_probes(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def probe_prediction(result: dict[str, Any], *, n_muon: int) -> dict[str, int]:
-    """The arithmetic for a measured run: params + grads + states (no master: params are the master)."""
+    """The arithmetic for a measured run: params + grads + states (no master: params are the master);
+    HybridMuon keeps ``2 n - n_muon`` state values at 4 B (fp32), 2 B (bf16) or 1 B + 4 B per 256 (8-bit)."""
     elem = 4 if result["dtype"] == "float32" else 2
     n = result["params"]
-    states = 8 * n if result["optimizer"] == "adamw" else 8 * n - 4 * n_muon
+    per_value = {"bf16": 2.0, "8bit": 1.0 + 4.0 / 256}.get(result["optimizer"].removeprefix("hybrid_muon_"), 4.0)
+    states = 8 * n if result["optimizer"] == "adamw" else int((2 * n - n_muon) * per_value)
     return {"params": elem * n, "grads": elem * n, "states": states, "total": 2 * elem * n + states}
 
 
 def format_probes(results: list[dict[str, Any]]) -> str:
     mib = 2**20
     lines = [
-        "optimizer     params  states(MiB)  predicted  steady-rss  peak fwd+bwd  peak step  peak   (MiB; RSS includes the interpreter)",
+        "optimizer         params  states(MiB)  predicted  steady-rss  peak fwd+bwd  peak step  peak   (MiB; RSS includes the interpreter)",
     ]
     for r in results:
         lines.append(
-            f"{r['optimizer']:<12}  {r['params'] / 1e6:5.1f}M  {r['state_bytes'] / mib:11.1f}  "
+            f"{r['optimizer']:<16}  {r['params'] / 1e6:5.1f}M  {r['state_bytes'] / mib:11.1f}  "
             f"{r['predicted']['states'] / mib:9.1f}  {r['steady'] / mib:10.1f}  {r['peak_fwd_bwd'] / mib:12.1f}  "
             f"{r['peak_step'] / mib:9.1f}  {r['peak'] / mib:5.1f}"
         )

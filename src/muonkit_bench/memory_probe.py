@@ -29,7 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
-PROBE_OPTIMIZERS = ("adamw", "hybrid_muon", "torch_muon")
+PROBE_OPTIMIZERS = ("adamw", "hybrid_muon", "torch_muon", "hybrid_muon_bf16", "hybrid_muon_8bit")
+"""``hybrid_muon_bf16`` / ``_8bit``: HybridMuon with ``state_dtype="bf16"`` / ``"8bit"`` (every group)."""
 
 
 def rss_bytes() -> tuple[int, int]:
@@ -91,6 +92,9 @@ def build_optimizer(model: nn.Module, name: str) -> Any:
         return peers.adamw(groups)
     if name == "hybrid_muon":
         return peers.hybrid_muon(groups)
+    if name.startswith("hybrid_muon_"):  # peers.hybrid_muon's groups, states kept in bf16 / 8-bit
+        fresh = [{**g, "lr": 0.02} if g["algorithm"] == "muon" else {**g, "lr": 3e-4} for g in groups]
+        return muonkit.HybridMuon(fresh, state_dtype=name.removeprefix("hybrid_muon_"))
     return peers.TorchMuonAdamW(groups)
 
 
