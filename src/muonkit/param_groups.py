@@ -206,11 +206,8 @@ class RoutingReport:
             ],
             "params": {"muon": self.numel("muon"), "adamw": self.numel("adamw"), "total": self.total_params},
             "muon_fraction": self.muon_fraction,
-            "state_bytes": {
-                "hybrid_muon": self.hybrid_state_bytes,
-                "adamw": self.adamw_state_bytes,
-                **{f"hybrid_muon_{d}": self.state_bytes(d) for d in STATE_DTYPES if d != "fp32"},
-            },
+            "state_bytes": {"hybrid_muon": self.hybrid_state_bytes, "adamw": self.adamw_state_bytes},
+            "hybrid_state_bytes_by_state_dtype": {d: self.state_bytes(d) for d in STATE_DTYPES},
         }
 
     def __str__(self) -> str:

@@ -366,6 +366,15 @@ def test_explain_totals_match_a_hand_count(models: dict[str, nn.Module]) -> None
     data = report.to_dict()
     assert data["params"] == {"muon": muon, "adamw": adamw, "total": muon + adamw}
     assert data["state_bytes"] == {"hybrid_muon": 4 * muon + 8 * adamw, "adamw": 8 * (muon + adamw)}
+    # state_dtype: bf16 2 B per value; 8-bit 1 B + one fp32 scale per row here (every row <= 256 wide):
+    # Muon rows 32 + 16 + 16 + 32 + 64 + 64 + 32 = 256; AdamW two states of 2 x 97 rows and 3 gains
+    eight = (muon + 4 * 256) + 2 * (adamw + 4 * (2 * 97 + 3))
+    assert data["hybrid_state_bytes_by_state_dtype"] == {
+        "fp32": 4 * muon + 8 * adamw,
+        "bf16": 2 * muon + 4 * adamw,
+        "8bit": eight,
+    }
+    assert eight == 24_424 and report.state_bytes("8bit") == eight
     text = str(report)
     assert text.splitlines()[0].split() == ["name", "shape", "algorithm", "reason"]
     assert "model.layers.0.mlp.down_proj.weight" in text and f"{muon:,}" in text and f"{adamw:,}" in text
