@@ -313,12 +313,12 @@ def adamw_step(
     wrote: Callable[[], None],
 ) -> None:
     """One AdamW step on ``params`` (those of a group with a gradient); ``wrote`` is called
-    before the first write."""
+    before the first write. Where the group stores its states in lower precision, params go by
+    batches of at most :data:`CODEC_BATCH_ELEMENTS` values: one batch's fp32 working moments at a time."""
     if not params:
         return
     wrote()
-    local, codec = strategy.local, config.codec
-    exp_avgs, exp_avg_sqs, steps = [], [], []
+    codec = config.codec
     for p in params:
         own = state[p]
         if "step" not in own:
@@ -332,20 +332,62 @@ def adamw_step(
             for key in ("exp_avg", "exp_avg_sq"):  # decoded from a checkpoint's or an earlier state_dtype's form
                 own[key] = _work_state(p, key, strategy, own, unsigned=key == "exp_avg_sq")
                 own.pop(key + SCALE_SUFFIX, None)
-        if codec is not None:  # fp32 working copies, stored back after the step
-            exp_avgs.append(codec.read(own, "exp_avg", p, strategy))
-            exp_avg_sqs.append(codec.read(own, "exp_avg_sq", p, strategy, unsigned=True))
-            steps.append(own["step"])
-            continue
-        exp_avgs.append(local(own["exp_avg"]))
-        exp_avg_sqs.append(local(own["exp_avg_sq"]))
-        steps.append(own["step"])
+    if codec is None:
+        local = strategy.local
+        moments = [(local(state[p]["exp_avg"]), local(state[p]["exp_avg_sq"])) for p in params]
+        _adamw(params, moments, config, rates, strategy=strategy, state=state)
+        return
+    for batch in _batches(params, strategy.local, CODEC_BATCH_ELEMENTS):
+        moments = [
+            (
+                codec.read(state[p], "exp_avg", p, strategy),
+                codec.read(state[p], "exp_avg_sq", p, strategy, unsigned=True),
+            )
+            for p in batch
+        ]  # fp32 working copies, stored back after the step
+        _adamw(batch, moments, config, rates, strategy=strategy, state=state)
+        for p, (m, v) in zip(batch, moments, strict=True):
+            codec.write(state[p], "exp_avg", m, p, strategy)
+            codec.write(state[p], "exp_avg_sq", v, p, strategy, unsigned=True)
+
+
+CODEC_BATCH_ELEMENTS = 1 << 22
+"""The most values of params an AdamW group in bf16 or 8-bit state steps at once (its fp32 working
+moments: 32 MiB), so that the step's peak holds one batch's, not the whole group's."""
+
+
+def _batches(params: list[Tensor], local: Callable[[Tensor], Tensor], limit: int) -> Iterator[list[Tensor]]:
+    """``params`` in order, cut into runs of at most ``limit`` local values (a larger param alone)."""
+    batch: list[Tensor] = []
+    size = 0
+    for p in params:
+        n = local(p).numel()
+        if batch and size + n > limit:
+            yield batch
+            batch, size = [], 0
+        batch.append(p)
+        size += n
+    if batch:
+        yield batch
+
+
+def _adamw(
+    params: list[Tensor],
+    moments: list[tuple[Tensor, Tensor]],
+    config: AdamWConfig,
+    rates: Rates,
+    *,
+    strategy: Strategy,
+    state: State,
+) -> None:
+    """:func:`~muonkit.functional.adamw.adamw_` on ``params`` with their local ``moments`` (updated in place)."""
+    local = strategy.local
     adamw_(
         [local(p) for p in params],
         [local(cast(Tensor, p.grad)) for p in params],
-        exp_avgs,
-        exp_avg_sqs,
-        steps,
+        [m for m, _ in moments],
+        [v for _, v in moments],
+        [state[p]["step"] for p in params],
         lr=rates[0],
         beta1=config.beta1,
         beta2=config.beta2,
@@ -353,7 +395,3 @@ def adamw_step(
         weight_decay=rates[1],
         cautious_wd=config.cautious_wd,
     )
-    if codec is not None:
-        for p, m, v in zip(params, exp_avgs, exp_avg_sqs, strict=True):
-            codec.write(state[p], "exp_avg", m, p, strategy)
-            codec.write(state[p], "exp_avg_sq", v, p, strategy, unsigned=True)

@@ -281,3 +281,27 @@ def test_stored_bytes_per_precision() -> None:
         ),
         rel_tol=0.5,
     )
+
+
+@pytest.mark.parametrize("precision", ["bf16", "8bit"])
+def test_adamw_batches_change_no_bit(precision: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """AdamW groups in bf16 / 8-bit step by batches of params (one batch's fp32 moments at a time):
+    batches of one param give the same params and stored states as one batch of all."""
+    from muonkit import stages
+
+    runs = []
+    for limit in (1, 1 << 22):
+        monkeypatch.setattr(stages, "CODEC_BATCH_ELEMENTS", limit)
+        model, opt = _setup(precision)
+        _train(model, opt, 3)
+        runs.append((_params(model), copy.deepcopy(opt.state_dict()["state"])))
+    (pa, sa), (pb, sb) = runs
+    assert all(torch.equal(pa[n], pb[n]) for n in pa)
+    for pid, own in sa.items():
+        for key, value in own.items():
+            other = sb[pid][key]
+            assert (
+                torch.equal(value.view(torch.uint8), other.view(torch.uint8))
+                if value.dtype == CODE_DTYPE
+                else torch.equal(value, other)
+            )
