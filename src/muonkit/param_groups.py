@@ -8,7 +8,6 @@ print(muonkit.explain(model))
 from __future__ import annotations
 
 import math
-
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass

@@ -374,3 +374,39 @@ def test_a_step_without_an_observed_forward_is_reported(caplog: pytest.LogCaptur
         with caplog.at_level("WARNING", logger="muonkit.qk_clip"):
             clip.clip()
     assert caplog.text.count("no training-mode forward pass reached 2 of 2 observed attention layers") == 1
+
+
+@pytest.mark.parametrize("name", ["llama_gqa", "qwen2_gqa_bias"])
+def test_per_head_muon_then_the_clip(name: str, capture: dict) -> None:
+    """QK-Clip composes with per-head Muon (issue 23): after one step of HybridMuon with
+    ``param_groups(model, per_head=True)``, the clipped model's q rows are the unclipped twin's
+    times gamma_h**alpha and its k rows times gamma_g**(1-alpha), head by head; everything else
+    equal. The clip's maxima are the forward's, whatever the groups' layout."""
+    ids, _ = batch("none")
+    twins = [tiny_model(name, gain=6.0, layers=1) for _ in range(2)]
+    before = captured(twins[0], capture, ids)
+    ((layer, (q0, k0, scale)),) = before.items()
+    maxima = reference_maxima(q0, k0, scale, torch.ones(ids.shape, dtype=torch.long), None)
+    threshold = float(maxima.median())
+    opts = [muonkit.HybridMuon(muonkit.param_groups(m, per_head=True), lr=0.02) for m in twins]
+    assert any(g.get("split_sizes") for g in opts[0].param_groups)  # the attention is per head
+    clip = muonkit.QKClip(twins[1], opts[1], threshold=threshold, alpha=0.5)
+    for model, opt in zip(twins, opts, strict=True):
+        model(input_ids=ids).logits.sum().backward()
+        opt.step()
+    assert clip.last_clipped_heads > 0
+    gq, gk = expected_factors(maxima, threshold, k0.shape[1])
+    head_dim = q0.shape[-1]
+    plain, clipped = dict(twins[0].named_parameters()), dict(twins[1].named_parameters())
+    prefix = layer + "."
+    for pname, value in plain.items():
+        other = clipped[pname]
+        if pname.startswith(prefix + "q_proj"):
+            factor = gq.pow(0.5).repeat_interleave(head_dim)
+        elif pname.startswith(prefix + "k_proj"):
+            factor = gk.pow(0.5).repeat_interleave(head_dim)
+        else:
+            torch.testing.assert_close(other, value, rtol=0, atol=0)
+            continue
+        shape = (-1, 1) if value.ndim == 2 else (-1,)
+        torch.testing.assert_close(other.double(), value.double() * factor.view(shape), rtol=1e-5, atol=1e-7)

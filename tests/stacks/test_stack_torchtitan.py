@@ -167,3 +167,27 @@ def test_rules_override_the_routing_per_model_part() -> None:
     for optimizer in container:
         muon = [n for g in optimizer.param_groups if g["algorithm"] == "muon" for n in g["param_names"]]
         assert "output.weight" in muon and "tok_embeddings.weight" not in muon
+
+
+def test_per_head_routing_reaches_the_groups() -> None:
+    """``per_head=True`` (with ``heads=`` where the model does not say) cuts attention into per-head matrices."""
+
+    class Attn(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tok_embeddings = nn.Embedding(32, 16)
+            self.attn = nn.MultiheadAttention(16, 4, batch_first=True)
+            self.output = nn.Linear(16, 32, bias=False)
+
+    whole = HybridMuonContainer.Config().build(model_parts=[Attn()])
+    split = HybridMuonContainer.Config(per_head=True).build(model_parts=[Attn()])
+    sizes = {
+        n: g.get("split_sizes")
+        for opt in split
+        for g in opt.param_groups
+        if g["algorithm"] == "muon"
+        for n in g["param_names"]
+    }
+    assert sizes["attn.in_proj_weight"] == (4,) * 12  # 4 heads of 4 rows each for Q, K and V
+    assert sizes["attn.out_proj.weight"] == (4,) * 4  # 4 heads' column blocks
+    assert all(g.get("split_sizes") is None for opt in whole for g in opt.param_groups)

@@ -69,6 +69,12 @@ class HybridMuonContainer(OptimizersContainer):
         rules: list[tuple[str, str]] = field(default_factory=list)
         """Routing overrides, checked first: ``(regex on the param name, "muon" | "adamw")``."""
         split_qkv: bool = False
+        per_head: bool = False
+        """Attention projections as per-head matrices (:func:`muonkit.param_groups`' ``per_head``)."""
+        heads: int | None = None
+        """With ``per_head``: the head count where the model's config does not say (``heads=``)."""
+        head_dim: int | None = None
+        """With ``per_head``: the head size where the model's config does not say (``head_dim=``)."""
         muon_algorithm: str = "muon"
         """The hidden matrices' algorithm: ``"muon"`` or another update rule (:data:`muonkit.functional.rules.RULES`)."""
         muon_options: dict[str, Any] = field(default_factory=dict)
@@ -108,7 +114,8 @@ def _groups(model: nn.Module, config: HybridMuonContainer.Config) -> list[dict[s
     groups = param_groups(
         model, lr=keywords["lr"], adamw_lr=keywords["adamw_lr"], weight_decay=keywords["weight_decay"],
         adamw_weight_decay=keywords["adamw_weight_decay"], rules=[(str(p), str(a)) for p, a in config.rules] or None,
-        split_qkv=config.split_qkv, muon_algorithm=config.muon_algorithm, muon_options=config.muon_options,
+        split_qkv=config.split_qkv, per_head=config.per_head, heads=config.heads, head_dim=config.head_dim,
+        muon_algorithm=config.muon_algorithm, muon_options=config.muon_options,
         adamw_options=config.adamw_options,
     )  # fmt: skip
     if config.no_decay_on_vectors:
