@@ -57,6 +57,17 @@ def test_train(train_results: dict, name: str) -> None:
     assert problem is None, problem
 
 
+@pytest.fixture(scope="module")
+def per_head_results(shared: Path) -> dict:
+    return launch("ds_checks_per_head", world_size=2, out_dir=shared.parent / "ds_per_head", shared=shared)
+
+
+@pytest.mark.parametrize("name", names("ds_checks_per_head"))
+def test_per_head(per_head_results: dict, name: str) -> None:
+    problem = report(per_head_results, name, 2)
+    assert problem is None, problem
+
+
 @pytest.mark.parametrize("name", names("ds_checks_load"))
 def test_load_at_one_rank(load_results: dict, name: str) -> None:
     problem = report(load_results, name, 1)
