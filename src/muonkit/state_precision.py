@@ -151,7 +151,7 @@ class BF16(Codec):
     def advance(self, own: Own, p: Tensor, ok: Tensor | None) -> None:
         step = own.get(SALT_KEY)
         if step is None:
-            step = own[SALT_KEY] = torch.zeros((), dtype=torch.float32, device=p.device if ok is not None else "cpu")
+            step = own[SALT_KEY] = torch.zeros((), dtype=torch.float32, device=p.device)  # read by no host code
         step.add_(1 if ok is None else ok.to(step.dtype))
 
     def write(

@@ -305,3 +305,14 @@ def test_adamw_batches_change_no_bit(precision: str, monkeypatch: pytest.MonkeyP
                 if value.dtype == CODE_DTYPE
                 else torch.equal(value, other)
             )
+
+
+@pytest.mark.parametrize("precision", ["bf16", "8bit"])
+def test_capturable_step_stores_the_same_bits(precision: str) -> None:
+    """A capturable step (rates and AdamW's step on the device, unchecked) with bf16 / 8-bit state equals the plain one."""
+    runs = []
+    for options in ({}, {"capturable": True, "nonfinite": "unchecked"}):
+        model, opt = _setup(precision, **options)
+        _train(model, opt, 3)
+        runs.append(_params(model))
+    assert all(torch.equal(runs[0][n], runs[1][n]) for n in runs[0])
