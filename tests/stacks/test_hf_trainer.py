@@ -227,3 +227,23 @@ def test_muon_trainer_qk_clip_clips_and_logs_the_largest_logit(tmp_path: Path) -
         MuonTrainer(model=tiny_model(), args=args, train_dataset=TokenData(), qk_clip=3)
     with pytest.raises(ValueError, match="Invalid threshold=-1"):
         MuonTrainer(model=tiny_model(), args=args, train_dataset=TokenData(), qk_clip={"threshold": -1})
+
+
+def test_muon_trainer_with_8bit_state_resumes_bit_for_bit(tmp_path: Path) -> None:
+    """``muon_options={"state_dtype": "8bit"}``: every group keeps 8-bit codes and scales, the Trainer's
+    ``optimizer.pt`` holds them, and a resume from it equals the run in one go."""
+    options = {"state_dtype": "8bit"}
+    full = MuonTrainer(
+        model=tiny_model(), args=training_args(tmp_path / "a"), train_dataset=TokenData(), muon_options=options
+    )
+    full.train()
+    assert {g["state_dtype"] for g in full.optimizer.param_groups} == {"8bit"}
+    saved = torch.load(tmp_path / "a" / "checkpoint-2" / "optimizer.pt", weights_only=True)
+    kinds = {(k, v.dtype) for s in saved["state"].values() for k, v in s.items() if k != "step"}
+    assert ("momentum_buffer", torch.float8_e4m3fn) in kinds and ("exp_avg_sq_scale", torch.float32) in kinds
+    resumed = MuonTrainer(
+        model=tiny_model(), args=training_args(tmp_path / "b"), train_dataset=TokenData(), muon_options=options
+    )
+    resumed.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-2"))
+    for (name, p), q in zip(full.model.named_parameters(), resumed.model.parameters(), strict=True):
+        assert torch.equal(p, q), name
