@@ -116,7 +116,8 @@ class Codec:
         decoded from whatever form it is stored in, or zeros where ``p`` has none yet."""
         if key not in own:
             return torch.zeros_like(strategy.local(p), dtype=work_dtype(p.dtype))
-        return decode(own, key, strategy.local, unsigned=unsigned).to(work_dtype(p.dtype), copy=True)
+        fresh = own[key].dtype in (CODE_DTYPE, torch.bfloat16)  # decoded into a new tensor already
+        return decode(own, key, strategy.local, unsigned=unsigned).to(work_dtype(p.dtype), copy=not fresh)
 
     def advance(self, own: Own, p: Tensor, ok: Tensor | None) -> None:
         """Called once per committed Muon-family param and step, before its states are written."""

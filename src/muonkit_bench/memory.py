@@ -26,7 +26,10 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from muonkit.functional.quantize import STATE_DTYPES
+from muonkit.state_precision import bytes_per_value
 from muonkit_bench.cli import chosen
 from muonkit_bench.memory_math import OPTIMIZERS, STAGES, ElementBytes, Savings, zero_table
 
@@ -135,7 +138,8 @@ def probe_prediction(result: dict[str, Any], *, n_muon: int) -> dict[str, int]:
     HybridMuon keeps ``2 n - n_muon`` state values at 4 B (fp32), 2 B (bf16) or 1 B + 4 B per 256 (8-bit)."""
     elem = 4 if result["dtype"] == "float32" else 2
     n = result["params"]
-    per_value = {"bf16": 2.0, "8bit": 1.0 + 4.0 / 256}.get(result["optimizer"].removeprefix("hybrid_muon_"), 4.0)
+    state_dtype = result["optimizer"].removeprefix("hybrid_muon_")
+    per_value = bytes_per_value(state_dtype if state_dtype in STATE_DTYPES else "fp32", torch.float32)
     states = 8 * n if result["optimizer"] == "adamw" else int((2 * n - n_muon) * per_value)
     return {"params": elem * n, "grads": elem * n, "states": states, "total": 2 * elem * n + states}
 
