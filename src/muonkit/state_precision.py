@@ -136,11 +136,31 @@ class Codec:
     ) -> None:
         """Store ``value`` (local fp32 values of state ``key`` of ``p``), replacing any other stored form;
         ``ok``: a device verdict, where False leaves the stored values as they were."""
-        raise NotImplementedError
+        held = self._held(own, key, lambda dtype, blocks: strategy.new_state(p, dtype, blocks=blocks))
+        self._store([strategy.local(t) for t in held], value, own, key, unsigned=unsigned, ok=ok)
 
     def write_rows(self, own: Own, key: str, value: Tensor, *, unsigned: bool, ok: Tensor | None) -> None:
-        """Store a ``"rows"`` state's new values (masked by ``ok``)."""
+        """Store a ``"rows"`` state's new values (plain tensors, whole on every rank; masked by ``ok``)."""
+
+        def new(dtype: torch.dtype, blocks: int | None) -> Tensor:
+            shape = tuple(value.shape) if blocks is None else block_shape(tuple(value.shape), blocks)
+            return torch.zeros(shape, dtype=dtype, device=value.device)
+
+        self._store(self._held(own, key, new), value, own, key, unsigned=unsigned, ok=ok)
+
+    def _held(self, own: Own, key: str, new: New) -> list[Tensor]:
+        """The stored tensors of state ``key``, made by ``new(dtype, blocks)`` where missing or in another form."""
         raise NotImplementedError
+
+    def _store(
+        self, held: list[Tensor], value: Tensor, own: Own, key: str, *, unsigned: bool, ok: Tensor | None
+    ) -> None:
+        """``value`` into the local views ``held`` of the stored tensors."""
+        raise NotImplementedError
+
+
+New = Callable[[torch.dtype, "int | None"], Tensor]
+"""Makes a zero stored tensor laid out like the state (``blocks``: one value per block of that many)."""
 
 
 class BF16(Codec):
@@ -155,36 +175,20 @@ class BF16(Codec):
             step = own[SALT_KEY] = torch.zeros((), dtype=torch.float32, device=p.device)  # read by no host code
         step.add_(1 if ok is None else ok.to(step.dtype))
 
-    def write(
-        self,
-        own: Own,
-        key: str,
-        value: Tensor,
-        p: Tensor,
-        strategy: Strategy,
-        *,
-        unsigned: bool = False,
-        ok: Tensor | None = None,
+    def _held(self, own: Own, key: str, new: New) -> list[Tensor]:
+        stored = own.get(key)
+        if stored is None or stored.dtype != torch.bfloat16:
+            stored = own[key] = new(torch.bfloat16, None)
+            own.pop(key + SCALE_SUFFIX, None)
+        return [stored]
+
+    def _store(
+        self, held: list[Tensor], value: Tensor, own: Own, key: str, *, unsigned: bool, ok: Tensor | None
     ) -> None:
-        stored = own.get(key)
-        if stored is None or stored.dtype != torch.bfloat16:
-            stored = own[key] = strategy.new_state(p, torch.bfloat16)
-            own.pop(key + SCALE_SUFFIX, None)
-        _store_bf16(strategy.local(stored), value, own, key, ok)
-
-    def write_rows(self, own: Own, key: str, value: Tensor, *, unsigned: bool, ok: Tensor | None) -> None:
-        stored = own.get(key)
-        if stored is None or stored.dtype != torch.bfloat16:
-            stored = own[key] = torch.zeros(value.shape, dtype=torch.bfloat16, device=value.device)
-            own.pop(key + SCALE_SUFFIX, None)
-        _store_bf16(stored, value, own, key, ok)
-
-
-def _store_bf16(target: Tensor, value: Tensor, own: Own, key: str, ok: Tensor | None) -> None:
-    """``value`` rounded stochastically into ``target`` (where ``ok``), salted by ``own``'s step and ``key``."""
-    step = own.get(SALT_KEY)
-    new = round_bf16(value, salt_of(0 if step is None else step, key))
-    target.copy_(new if ok is None else torch.where(ok, new, target))
+        """``value`` rounded stochastically, salted by ``own``'s step and ``key``."""
+        step = own.get(SALT_KEY)
+        new = round_bf16(value, salt_of(0 if step is None else step, key))
+        held[0].copy_(new if ok is None else torch.where(ok, new, held[0]))
 
 
 class Blockwise8(Codec):
@@ -192,43 +196,27 @@ class Blockwise8(Codec):
 
     name = "8bit"
 
-    def write(
-        self,
-        own: Own,
-        key: str,
-        value: Tensor,
-        p: Tensor,
-        strategy: Strategy,
-        *,
-        unsigned: bool = False,
-        ok: Tensor | None = None,
+    def _held(self, own: Own, key: str, new: New) -> list[Tensor]:
+        codes, scales = own.get(key), own.get(key + SCALE_SUFFIX)
+        if codes is None or codes.dtype != CODE_DTYPE or scales is None:
+            codes = own[key] = new(CODE_DTYPE, None)
+            scales = own[key + SCALE_SUFFIX] = new(torch.float32, BLOCK)
+        return [codes, scales]
+
+    def _store(
+        self, held: list[Tensor], value: Tensor, own: Own, key: str, *, unsigned: bool, ok: Tensor | None
     ) -> None:
-        codes, scales = own.get(key), own.get(key + SCALE_SUFFIX)
-        if codes is None or codes.dtype != CODE_DTYPE or scales is None:
-            codes = own[key] = strategy.new_state(p, CODE_DTYPE)
-            scales = own[key + SCALE_SUFFIX] = strategy.new_state(p, torch.float32, blocks=BLOCK)
-        local_codes = strategy.local(codes)
-        cols = local_codes.shape[-1] if local_codes.dim() else 1
-        _store_8bit(local_codes, strategy.local(scales)[..., : block_count(cols)], value, unsigned, ok)
-
-    def write_rows(self, own: Own, key: str, value: Tensor, *, unsigned: bool, ok: Tensor | None) -> None:
-        codes, scales = own.get(key), own.get(key + SCALE_SUFFIX)
-        if codes is None or codes.dtype != CODE_DTYPE or scales is None:
-            codes = own[key] = torch.zeros(value.shape, dtype=CODE_DTYPE, device=value.device)
-            scales = own[key + SCALE_SUFFIX] = torch.zeros(block_shape(tuple(value.shape), BLOCK), device=value.device)
-        _store_8bit(codes, scales, value, unsigned, ok)
-
-
-def _store_8bit(codes: Tensor, scales: Tensor, value: Tensor, unsigned: bool, ok: Tensor | None) -> None:
-    """``value``'s codes and scales into ``codes`` and ``scales``; where ``ok`` is False, the stored ones stay."""
-    if ok is None:
-        quantize_into(codes, scales, value, signed=not unsigned, check=False)
-        return
-    new_codes, new_scales = torch.empty_like(codes), torch.empty_like(scales)
-    quantize_into(new_codes, new_scales, value, signed=not unsigned, check=False)
-    raw = codes.view(torch.uint8)
-    raw.copy_(torch.where(ok, new_codes.view(torch.uint8), raw))
-    scales.copy_(torch.where(ok, new_scales, scales))
+        """The codes and scales of ``value``; where ``ok`` is False, the stored ones stay."""
+        codes, scales = held
+        scales = scales[..., : block_count(codes.shape[-1] if codes.dim() else 1)]
+        if ok is None:
+            quantize_into(codes, scales, value, signed=not unsigned, check=False)
+            return
+        new_codes, new_scales = torch.empty_like(codes), torch.empty_like(scales)
+        quantize_into(new_codes, new_scales, value, signed=not unsigned, check=False)
+        raw = codes.view(torch.uint8)
+        raw.copy_(torch.where(ok, new_codes.view(torch.uint8), raw))
+        scales.copy_(torch.where(ok, new_scales, scales))
 
 
 CODECS: dict[str, Codec | None] = {"fp32": None, "bf16": BF16(), "8bit": Blockwise8()}
