@@ -37,6 +37,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 import muonkit
 from muonkit.functional.orthogonalize import default_compute_dtype
+from muonkit.state_precision import local_scales
 
 STEPS = 3
 STATE_DTYPES = ("8bit", "bf16")
@@ -142,10 +143,11 @@ def _check_local_states(opt: muonkit.HybridMuon, params: Sequence[Tensor]) -> li
         own = opt.state.get(p, {})
         for key, value in own.items():
             if isinstance(value, Tensor) and value.dtype == torch.float8_e4m3fn:
-                codes, scales = local_of(value), local_of(own[key + "_scale"])
+                codes, stored = local_of(value), local_of(own[key + "_scale"])
+                scales = local_scales(codes, stored)
                 want = (*codes.shape[:-1], -(-codes.shape[-1] // 256)) if codes.dim() else (1,)
-                if codes.numel() and (tuple(scales.shape[:-1]) != want[:-1] or scales.shape[-1] < want[-1]):
-                    problems.append(f"{key}: local codes {tuple(codes.shape)}, scales {tuple(scales.shape)}")
+                if codes.numel() and tuple(scales.shape) != want:
+                    problems.append(f"{key}: local codes {tuple(codes.shape)}, scales {tuple(stored.shape)}")
     return problems
 
 
@@ -158,14 +160,19 @@ def _record(ctx: Context, label: str, metrics: dict[str, float]) -> None:
     path.write_text(json.dumps(data, indent=1, sort_keys=True))
 
 
-def _run(ctx: Context, label: str, make: Callable[[str], tuple[Any, Any, Any, Any, Callable[[Any, int], None]]]) -> None:
+def _run(
+    ctx: Context, label: str, make: Callable[[str], tuple[Any, Any, Any, Any, Callable[[Any, int], None]]]
+) -> None:
     """Step the layout beside the control for each state dtype; compare."""
     problems = []
     for state_dtype in STATE_DTYPES:
         params, opt, ref_params, ref_opt, grads = make(state_dtype)
         initial_params = {n: p.detach().clone().float() for n, p in _params(ref_params)}
         algorithms = {
-            n: g["algorithm"] for g in ref_opt.param_groups for n, p in _params(ref_params) if any(p is q for q in g["params"])
+            n: g["algorithm"]
+            for g in ref_opt.param_groups
+            for n, p in _params(ref_params)
+            if any(p is q for q in g["params"])
         }
         for step in range(STEPS):
             grads(params, step)
@@ -174,7 +181,9 @@ def _run(ctx: Context, label: str, make: Callable[[str], tuple[Any, Any, Any, An
             ref_opt.step()
         metrics: dict[str, float] = {}
         where = f"{label} W={ctx.world_size} state_dtype={state_dtype}"
-        problems += [f"{where}: {m}" for m in compare(params, opt, ref_params, ref_opt, initial_params, algorithms, metrics)]
+        problems += [
+            f"{where}: {m}" for m in compare(params, opt, ref_params, ref_opt, initial_params, algorithms, metrics)
+        ]
         problems += [f"{where}: {m}" for m in _check_local_states(opt, [p for _, p in _params(params)])]
         _record(ctx, f"{label}/W{ctx.world_size}/{state_dtype}", metrics)
     assert not problems, "\n".join(problems)
@@ -259,7 +268,8 @@ class WideNet(nn.Module):
 
 
 def _mesh_make(layout: str, world_size: int) -> Callable[[str], tuple[Any, ...]]:
-    from mesh_placements import RULES, apply_placement, set_grads as mesh_grads
+    from mesh_placements import RULES, apply_placement
+    from mesh_placements import set_grads as mesh_grads
 
     def build(kind: str, state_dtype: str) -> tuple[nn.Module, muonkit.HybridMuon]:
         model = WideNet()

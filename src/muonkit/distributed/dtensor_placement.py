@@ -521,9 +521,14 @@ def block_state(param: Any, dtype: torch.dtype, blocks: int) -> Any:
 
     Where no placement shards the last dim, every rank's blocks are the whole tensor's: the global
     shape is ``(*shape[:-1], ceil(cols / blocks))`` with ``param``'s placements, and a checkpoint
-    reshards it like any state. Where some do, each rank holds ``k = ceil(c / blocks)`` values per
-    row (``c``: the most columns a rank holds); the last dim is ``k`` times the number of shards of
-    it (a rank holding fewer columns leaves its last values unused).
+    reshards it like any state. Where some do (``n`` shards of it in all), each rank cuts its own
+    blocks: the global shape is ``(*shape[:-1], n, k)``, one more dim than the param's, laid out
+    with ``param``'s placements (those of the last dim now cut the ``n`` dim: each rank holds
+    ``(*local_lead, 1, k)``), ``k = ceil(c / blocks)`` with ``c`` the most columns a rank holds (a
+    rank holding fewer leaves its last values unused). The extra dim marks scales that belong to
+    one way of cutting the columns: a checkpoint holding them loads only where the columns are
+    cut the same number of ways, and nowhere else (never as the whole tensor's blocks, whatever
+    the counts).
     """
     from torch.distributed.tensor import DTensor
 
@@ -539,16 +544,17 @@ def block_state(param: Any, dtype: torch.dtype, blocks: int) -> Any:
         for i, placement in enumerate(param.placements)
         if isinstance(placement, Shard | _StridedShard) and placement.dim in (last, -1)
     ]
-    count = -(-local.shape[-1] // blocks)
+    lead = tuple(local.shape[:-1])
     if cuts:
         most = shape[-1]
         for n in cuts:
             most = -(-most // n)
         count = -(-most // blocks)
-        whole = (*shape[:-1], count * math.prod(cuts))
+        whole: tuple[int, ...] = (*shape[:-1], math.prod(cuts), count)
+        values = torch.zeros((*lead, 1, count), dtype=dtype, device=local.device)
     else:
         whole = (*shape[:-1], -(-shape[-1] // blocks))
-    values = torch.zeros((*local.shape[:-1], count), dtype=dtype, device=local.device)
+        values = torch.zeros((*lead, -(-local.shape[-1] // blocks)), dtype=dtype, device=local.device)
     stride = tuple(math.prod(whole[i + 1 :]) for i in range(len(whole)))
     return DTensor.from_local(
         values, param.device_mesh, param.placements, run_check=False, shape=torch.Size(whole), stride=stride
