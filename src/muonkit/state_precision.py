@@ -39,7 +39,7 @@ Example::
 
 from __future__ import annotations
 
-import itertools
+import math
 from collections.abc import Callable, Mapping, MutableMapping
 from typing import TYPE_CHECKING, Any
 
@@ -98,10 +98,12 @@ def _plain(t: Tensor) -> Tensor:
 
 def local_scales(codes: Tensor, scales: Tensor) -> Tensor:
     """The scales of the local ``codes`` among the local ``scales`` a strategy laid out (a view): one per
-    block of the local rows. A layout that shards the last dim holds ``(*lead, 1, k)`` (see
-    ``block_state``), seen here as ``(*lead, k)``; a rank with fewer blocks than ``k`` uses the first."""
-    if codes.dim() and scales.dim() == codes.dim() + 1 and scales.shape[-2] == 1:
-        scales = scales.squeeze(-2)
+    block of the local rows. A layout that shards the last dim holds ``(*lead, 1, ..., 1, k)`` (one
+    unit dim per mesh dim cutting it; see ``block_state``), seen here as ``(*lead, k)``; a rank with
+    fewer blocks than ``k`` uses the first."""
+    lead = codes.dim() - 1
+    if codes.dim() and scales.dim() > codes.dim() and math.prod(scales.shape[lead:-1]) == 1:
+        scales = scales.reshape(*scales.shape[:lead], scales.shape[-1])
     cols = codes.shape[-1] if codes.dim() else 1
     return scales[..., : block_count(cols)]
 
@@ -257,31 +259,37 @@ def to_work(own: Mapping[str, Any], key: str, p: Tensor, strategy: Strategy, *, 
 def decode_saved(codes: Tensor, scales: Tensor, *, unsigned: bool) -> Tensor:
     """The whole fp32 values of a whole tensor of 8-bit ``codes`` and its ``scales`` as a checkpoint
     holds them, laid out by the layout that saved them: ``(*lead, blocks)`` for blocks of the whole
-    rows (no rank's part cut the last dim), ``(*lead, n, k)`` for blocks of each of ``n`` pieces of
-    the columns as a ``Shard`` of the last dim cuts them (``torch.chunk``; ``block_state``). For
-    loading on a layout that cuts the blocks elsewhere (the caller codes the values again in its
-    own blocks). ``ValueError`` where codes and scales do not fit that cut (another cut, or corrupted)."""
-    if codes.dim() and scales.dim() == codes.dim() + 1:
-        cols, n = codes.shape[-1], scales.shape[-2]
-        size = -(-cols // n) if cols else 0
-        starts = [min(i * size, cols) for i in range(n)] + [cols]
-        pieces = [(codes[..., a:b], scales[..., i, :]) for i, (a, b) in enumerate(itertools.pairwise(starts))]
+    rows (no rank's part cut the last dim), ``(*lead, n_1, ..., n_m, k)`` for blocks of each piece
+    of the columns cut ``n_1`` ways, each piece ``n_2`` ways... as ``Shard`` placements of the last
+    dim cut them (``torch.chunk`` sizes; ``block_state``). For loading on a layout that cuts the
+    blocks elsewhere (the caller codes the values again in its own blocks). ``ValueError`` where
+    codes and scales do not fit (corrupted: see :func:`~muonkit.functional.quantize.blocks_consistent`)."""
+    lead = codes.dim() - 1
+    if codes.dim() and scales.dim() > codes.dim():
+        sizes = tuple(scales.shape[lead:-1])
+        ranges = [(0, codes.shape[-1])]
+        for n in sizes:  # DTensor's nested cut: each piece of the previous mesh dim's cut, n ways
+            cut = []
+            for a, b in ranges:
+                size = -(-(b - a) // n)
+                cut += [(min(a + i * size, b), min(a + (i + 1) * size, b)) for i in range(n)]
+            ranges = cut
+        flat = scales.reshape(*scales.shape[:lead], math.prod(sizes), scales.shape[-1])
+        pieces = [(codes[..., a:b], flat[..., i, :]) for i, (a, b) in enumerate(ranges)]
     else:
         pieces = [(codes, scales)]
     out = []
     for part, held in pieces:
-        if tuple(held.shape[:-1]) != tuple(part.shape[:-1]) or held.shape[-1] < block_count(
-            part.shape[-1] if part.dim() else 1
-        ):
+        want = block_shape(tuple(part.shape), BLOCK)
+        if tuple(held.shape[:-1]) != want[:-1] or held.shape[-1] < want[-1]:
             raise ValueError(
                 f"8-bit codes of shape {tuple(codes.shape)} do not fit scales of shape {tuple(scales.shape)}"
             )
-        held = local_scales(part, held)
+        held = held[..., : want[-1]]
         if part.numel() and not bool(blocks_consistent(part, held).all()):
             raise ValueError(
-                f"8-bit codes of shape {tuple(codes.shape)} do not fit their scales of shape {tuple(scales.shape)} as "
-                "blocks of the whole rows, or of each even cut of the columns: corrupted, or saved by a layout that "
-                "cut the columns otherwise (load it on that layout)"
+                f"8-bit codes of shape {tuple(codes.shape)} do not fit their scales of shape {tuple(scales.shape)}: "
+                "a block's largest code must be +-448 where its scale is non-zero, 0 where it is 0 (corrupted)"
             )
         out.append(dequantize_blockwise(part, held, signed=not unsigned))
     return torch.cat(out, dim=-1) if len(out) > 1 else out[0]
@@ -312,10 +320,8 @@ def check_stored(own: Mapping[str, Any], key: str, p: Tensor, local: Local, *, u
         if codes.numel() and not bool(blocks_consistent(codes, held).all()):
             raise ValueError(
                 f"8-bit state {key!r} does not fit its scales {key + SCALE_SUFFIX!r}: a block's largest code must be "
-                f"+-448 where its scale is a normal float and 0 where its scale is 0, as every write leaves them. "
-                "The codes or scales are corrupted, or were written by a layout that cut the blocks (of "
-                f"{BLOCK} along the last dim of each rank's part) elsewhere: load such a checkpoint on a layout that "
-                "shards the param's last dim the same way"
+                f"+-448 where its scale is a normal float and 0 where its scale is 0, as every write leaves them "
+                "(the codes or the scales are corrupted)"
             )
     elif key + SCALE_SUFFIX in own:
         raise ValueError(f"State {key!r} is {value.dtype}, not 8-bit codes, yet has scales {key + SCALE_SUFFIX!r}")

@@ -63,7 +63,8 @@ class Net(nn.Module):
 
 def build(layout: str, state_dtype: str, *, seed_offset: int = 0) -> tuple[nn.Module, nn.Module, muonkit.HybridMuon]:
     """(what is checkpointed, the module holding the params, the optimizer): ``fsdp`` (dim 0), ``cols``
-    (FSDP2 dim 1 via ``shard_placement_fn``), ``ddp`` or ``single``."""
+    (FSDP2 dim 1 via ``shard_placement_fn``), ``nested`` (4 ranks: every param's last dim sharded by
+    both dims of a 2x2 mesh, ``distribute_tensor``), ``ddp`` or ``single``."""
     from torch.distributed.fsdp import fully_shard
 
     module = Net(seed_offset)
@@ -74,6 +75,14 @@ def build(layout: str, state_dtype: str, *, seed_offset: int = 0) -> tuple[nn.Mo
     elif layout == "cols":
         width = dist.get_world_size()  # FSDP2 shards dim 1 only evenly
         fully_shard(module, shard_placement_fn=lambda p: Shard(1 if p.ndim >= 2 and p.shape[1] % width == 0 else 0))
+    elif layout == "nested":  # the columns cut by both dims of a 2x2 mesh (5 | 5, then 3 | 2 each...)
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import distribute_tensor
+
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
+        for i, p in enumerate(list(module.params)):
+            cut = Shard(p.ndim - 1)
+            module.params[i] = nn.Parameter(distribute_tensor(p.data, mesh, [cut, cut], src_data_rank=None))
     elif layout == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
@@ -258,7 +267,21 @@ def eight_bit_codes_cut_otherwise_are_refused(ctx: Context) -> None:
         assert all(torch.equal(a, p.detach().to_local()) for a, p in zip(before, module.parameters(), strict=True))
 
 
+@check(4)
+def eight_bit_nested_column_cut_saves_and_resumes_on_other_layouts(ctx: Context) -> None:
+    """Scales of columns cut by two mesh dims, ``(*lead, 2, 2, k)``: decoded with that nested cut (not
+    one even cut in 4) by FSDP2 dim 1 and dim 0 at 4 ranks here, and by one device (W=1)."""
+    _save_run(ctx, "nested", "8bit", "nested_8bit")
+    _resume(ctx, "cols", "8bit", "nested_8bit")
+    _resume(ctx, "fsdp", "8bit", "nested_8bit")
+
+
 # ------------------------------------------------------------------ 1 rank
+
+
+@check(1)
+def eight_bit_nested_column_cut_resumes_on_one_device(ctx: Context) -> None:
+    _resume(ctx, "single", "8bit", "nested_8bit")
 
 
 @check(1)

@@ -521,14 +521,13 @@ def block_state(param: Any, dtype: torch.dtype, blocks: int) -> Any:
 
     Where no placement shards the last dim, every rank's blocks are the whole tensor's: the global
     shape is ``(*shape[:-1], ceil(cols / blocks))`` with ``param``'s placements, and a checkpoint
-    reshards it like any state. Where some do (``n`` shards of it in all), each rank cuts its own
-    blocks: the global shape is ``(*shape[:-1], n, k)``, one more dim than the param's, laid out
-    with ``param``'s placements (those of the last dim now cut the ``n`` dim: each rank holds
-    ``(*local_lead, 1, k)``), ``k = ceil(c / blocks)`` with ``c`` the most columns a rank holds (a
-    rank holding fewer leaves its last values unused). The extra dim marks scales that belong to
-    one way of cutting the columns: a checkpoint holding them loads only where the columns are
-    cut the same number of ways, and nowhere else (never as the whole tensor's blocks, whatever
-    the counts).
+    reshards it like any state. Where some do, each rank cuts its own blocks: one more dim per
+    mesh dim that cuts the columns, ``(*shape[:-1], n_1, ..., n_m, k)`` (``n_j`` that mesh dim's
+    size, in mesh order: the order DTensor cuts the columns in), each sharded by its mesh dim, so
+    each rank holds ``(*local_lead, 1, ..., 1, k)``; ``k = ceil(c / blocks)`` with ``c`` the most
+    columns a rank holds (a rank holding fewer leaves its last values unused). The shape says how
+    the columns were cut: a checkpoint holding such scales is read as saved only by a layout that
+    cuts them the same way, and decoded with that cut by any other (never taken for other blocks).
     """
     from torch.distributed.tensor import DTensor
 
@@ -539,23 +538,27 @@ def block_state(param: Any, dtype: torch.dtype, blocks: int) -> Any:
             torch.zeros(1, dtype=dtype, device=local.device), param.device_mesh, param.placements, run_check=False
         )
     last = len(shape) - 1
-    cuts = [
-        param.device_mesh.size(i)
+    cut = [
+        i
         for i, placement in enumerate(param.placements)
         if isinstance(placement, Shard | _StridedShard) and placement.dim in (last, -1)
     ]
     lead = tuple(local.shape[:-1])
-    if cuts:
+    placements = list(param.placements)
+    if cut:
+        sizes = [param.device_mesh.size(i) for i in cut]
         most = shape[-1]
-        for n in cuts:
+        for n in sizes:
             most = -(-most // n)
         count = -(-most // blocks)
-        whole: tuple[int, ...] = (*shape[:-1], math.prod(cuts), count)
-        values = torch.zeros((*lead, 1, count), dtype=dtype, device=local.device)
+        whole: tuple[int, ...] = (*shape[:-1], *sizes, count)
+        for j, i in enumerate(cut):
+            placements[i] = Shard(last + j)
+        values = torch.zeros((*lead, *[1] * len(sizes), count), dtype=dtype, device=local.device)
     else:
         whole = (*shape[:-1], -(-shape[-1] // blocks))
         values = torch.zeros((*lead, -(-local.shape[-1] // blocks)), dtype=dtype, device=local.device)
     stride = tuple(math.prod(whole[i + 1 :]) for i in range(len(whole)))
     return DTensor.from_local(
-        values, param.device_mesh, param.placements, run_check=False, shape=torch.Size(whole), stride=stride
+        values, param.device_mesh, placements, run_check=False, shape=torch.Size(whole), stride=stride
     )
