@@ -268,32 +268,36 @@ class WideNet(nn.Module):
         self.wide = nn.Linear(600, 6)
 
 
-def _mesh_make(layout: str, world_size: int) -> Callable[[str], tuple[Any, ...]]:
+def mesh_build(kind: str, world_size: int, state_dtype: str, *, seed: int = 0) -> tuple[nn.Module, muonkit.HybridMuon]:
+    """:class:`WideNet` laid out by :func:`mesh_placements.apply_placement` (the wide layer as the dense
+    params around it) and ``HybridMuon(param_groups(model), state_dtype=...)`` on it."""
     from mesh_placements import RULES, apply_placement
+
+    model = WideNet(seed)
+    apply_placement(model.net, kind, world_size)
+    if kind != "single":
+        mesh = model.net.norm.weight.device_mesh
+        if kind == "tp":
+            from torch.distributed.tensor import distribute_module
+
+            distribute_module(model.wide, mesh)
+        else:
+            from torch.distributed.fsdp import fully_shard
+
+            fully_shard(model.wide, mesh=mesh)
+    kwargs: dict[str, Any] = {"state_dtype": state_dtype}
+    if kind == "single":
+        kwargs["strategy"] = muonkit.distributed.SingleDeviceStrategy()
+    groups = muonkit.param_groups(model, weight_decay=0.01, adamw_lr=1e-2, adamw_weight_decay=0.1, rules=RULES)
+    return model, muonkit.HybridMuon(groups, **kwargs)
+
+
+def _mesh_make(layout: str, world_size: int) -> Callable[[str], tuple[Any, ...]]:
     from mesh_placements import set_grads as mesh_grads
 
-    def build(kind: str, state_dtype: str) -> tuple[nn.Module, muonkit.HybridMuon]:
-        model = WideNet()
-        apply_placement(model.net, kind, world_size)
-        if kind != "single":  # the wide layer laid out as the dense params around it
-            mesh = model.net.norm.weight.device_mesh
-            if kind == "tp":
-                from torch.distributed.tensor import distribute_module
-
-                distribute_module(model.wide, mesh)
-            else:
-                from torch.distributed.fsdp import fully_shard
-
-                fully_shard(model.wide, mesh=mesh)
-        kwargs: dict[str, Any] = {"state_dtype": state_dtype}
-        if kind == "single":
-            kwargs["strategy"] = muonkit.distributed.SingleDeviceStrategy()
-        groups = muonkit.param_groups(model, weight_decay=0.01, adamw_lr=1e-2, adamw_weight_decay=0.1, rules=RULES)
-        return model, muonkit.HybridMuon(groups, **kwargs)
-
     def make(state_dtype: str) -> tuple[Any, ...]:
-        model, opt = build(layout, state_dtype)
-        ref, ref_opt = build("single", state_dtype)
+        model, opt = mesh_build(layout, world_size, state_dtype)
+        ref, ref_opt = mesh_build("single", world_size, state_dtype)
         return model, opt, ref, ref_opt, mesh_grads
 
     return make

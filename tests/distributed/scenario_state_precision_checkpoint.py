@@ -29,8 +29,8 @@ import torch.distributed as dist
 from common import MUON_REL_TOL, ParamSpec, group_dicts, initial, set_grads
 from harness import Context, check
 from precision_common import rel_diff, state_keys, whole_bits, whole_decoded
-from scenario_state_precision import PARAM_TOL, ROWS_TOL, STATE_TOL, blocks_kept
-from torch import nn
+from scenario_state_precision import PARAM_TOL, ROWS_TOL, STATE_TOL, blocks_kept, mesh_build
+from torch import Tensor, nn
 from torch.distributed.tensor import Shard
 
 import muonkit
@@ -119,27 +119,34 @@ def snapshot(module: nn.Module, opt: muonkit.HybridMuon) -> dict[str, Any]:
 
 
 def differences(
-    mine: dict[str, Any], expected: dict[str, Any], *, same_layout: bool = False, precise: bool = True
+    mine: dict[str, Any],
+    expected: dict[str, Any],
+    *,
+    same_layout: bool = False,
+    precise: bool = True,
+    params: list[tuple[Tensor, str]] | None = None,
 ) -> list[str]:
     """What differs (see the module docstring): params whose blocks both runs keep whole (or every
     param, ``same_layout``: the same blocks on both sides) bit for bit; ``precise``: False where the
-    two runs stored their states in other precisions (tolerances only)."""
+    two runs stored their states in other precisions (tolerances only). ``params``: each param's
+    initial value and algorithm (default: :data:`ZOO`'s)."""
     muon_tol = MUON_REL_TOL[default_compute_dtype("cpu")]
     problems = []
     state_names = {k.rsplit(":", 1)[0] for k in expected if k.endswith(":dtype")}
     mine_names = {k.rsplit(":", 1)[0] for k in mine if k.endswith(":dtype")}
     if state_names != mine_names:
         problems.append(f"states {sorted(mine_names ^ state_names)} only on one side")
-    for i, spec in enumerate(ZOO):
+    if params is None:
+        params = [(initial(i, s), group_dicts([torch.zeros(1)], [s])[0]["algorithm"]) for i, s in enumerate(ZOO)]
+    for i, (first, algorithm) in enumerate(params):
         same = precise and (same_layout or (mine[f"{i}:kept"] and expected[f"{i}:kept"]))
         a, b = mine[f"{i}:param"].double(), expected[f"{i}:param"].double()
-        start = initial(i, spec).double()
+        start = first.double()
         travelled = torch.linalg.vector_norm(b - start).item()
         rel = 0.0 if torch.equal(a, b) else torch.linalg.vector_norm(a - b).item() / max(travelled, 1e-30)
-        algorithm = group_dicts([torch.zeros(1)], [spec])[0]["algorithm"]
         tol = (0.0 if algorithm == "adamw" else muon_tol) if same else PARAM_TOL
         if rel > tol:
-            problems.append(f"param {i} {spec.shape}: {rel:.3e} of its distance (tolerance {tol})")
+            problems.append(f"param {i} {tuple(b.shape)}: {rel:.3e} of its distance (tolerance {tol})")
         for name in sorted(n for n in state_names & mine_names if n.startswith(f"{i}:")):
             key = name.split(":")[1]
             drift = rel_diff(mine[name], expected[name])
@@ -276,7 +283,57 @@ def eight_bit_nested_column_cut_saves_and_resumes_on_other_layouts(ctx: Context)
     _resume(ctx, "fsdp", "8bit", "nested_8bit")
 
 
+# ------------------------------------------------------------------ N-D meshes: TP row-wise scales through DCP
+
+
+def _mesh_params(world_size: int) -> list[tuple[Tensor, str]]:
+    """Each param's initial value (the seed-0 model) and algorithm, in ``parameters()`` order."""
+    model, opt = mesh_build("single", world_size, "8bit")
+    algorithm = {id(p): g["algorithm"] for g in opt.param_groups for p in g["params"]}
+    return [(p.detach().clone(), algorithm[id(p)]) for p in model.parameters()]
+
+
+def _mesh_steps(model: nn.Module, opt: muonkit.HybridMuon, steps: range) -> None:
+    from mesh_placements import set_grads as mesh_grads
+
+    for step in steps:
+        mesh_grads(model, step)
+        opt.step()
+
+
+@check(4)
+def eight_bit_fsdp2_tp_2x2_saves_and_fsdp2_4_resumes(ctx: Context) -> None:
+    """FSDP2 + TP (row-wise params: scales ``(rows, 2, k)`` placed ``(Shard(0), Shard(1))``) saves at 4
+    ranks; FSDP2 over 4 resumes here (row-wise params recoded, the rest as saved), one device at W=1."""
+    model, opt = mesh_build("fsdp_tp", ctx.world_size, "8bit")
+    _mesh_steps(model, opt, range(SAVE_AT))
+    saved = snapshot(model, opt)
+    save_checkpoint(ctx.shared / "prec_fsdp_tp_8bit", model=model, optimizer=opt)
+    _mesh_steps(model, opt, range(SAVE_AT, STEPS))
+    final = snapshot(model, opt)
+    if ctx.rank == 0:
+        torch.save((saved, final), ctx.shared / "prec_fsdp_tp_8bit.pt")
+    dist.barrier()
+    _mesh_resume(ctx, "fsdp")
+
+
+def _mesh_resume(ctx: Context, layout: str) -> None:
+    model, opt = mesh_build(layout, ctx.world_size, "8bit", seed=7)
+    load_checkpoint(ctx.shared / "prec_fsdp_tp_8bit", model=model, optimizer=opt)
+    saved, final = torch.load(ctx.shared / "prec_fsdp_tp_8bit.pt")
+    params = _mesh_params(ctx.world_size)
+    problems = [f"as loaded: {p}" for p in differences(snapshot(model, opt), saved, params=params)]
+    _mesh_steps(model, opt, range(SAVE_AT, STEPS))
+    problems += [f"step {STEPS}: {p}" for p in differences(snapshot(model, opt), final, params=params)]
+    assert not problems, f"{layout} at W={ctx.world_size} from prec_fsdp_tp_8bit:\n" + "\n".join(problems)
+
+
 # ------------------------------------------------------------------ 1 rank
+
+
+@check(1)
+def eight_bit_fsdp2_tp_checkpoint_resumes_on_one_device(ctx: Context) -> None:
+    _mesh_resume(ctx, "single")
 
 
 @check(1)

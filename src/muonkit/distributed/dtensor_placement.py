@@ -523,7 +523,8 @@ def block_state(param: Any, dtype: torch.dtype, blocks: int) -> Any:
     shape is ``(*shape[:-1], ceil(cols / blocks))`` with ``param``'s placements, and a checkpoint
     reshards it like any state. Where some do, each rank cuts its own blocks: one more dim per
     mesh dim that cuts the columns, ``(*shape[:-1], n_1, ..., n_m, k)`` (``n_j`` that mesh dim's
-    size, in mesh order: the order DTensor cuts the columns in), each sharded by its mesh dim, so
+    size, in the order DTensor cuts the columns: mesh order, a ``_StridedShard`` within the plain
+    shards' pieces), each sharded by its mesh dim, so
     each rank holds ``(*local_lead, 1, ..., 1, k)``; ``k = ceil(c / blocks)`` with ``c`` the most
     columns a rank holds (a rank holding fewer leaves its last values unused). The shape says how
     the columns were cut: a checkpoint holding such scales is read as saved only by a layout that
@@ -538,10 +539,13 @@ def block_state(param: Any, dtype: torch.dtype, blocks: int) -> Any:
             torch.zeros(1, dtype=dtype, device=local.device), param.device_mesh, param.placements, run_check=False
         )
     last = len(shape) - 1
-    cut = [
-        i
-        for i, placement in enumerate(param.placements)
-        if isinstance(placement, Shard | _StridedShard) and placement.dim in (last, -1)
+    cuts = [
+        (i, p) for i, p in enumerate(param.placements) if isinstance(p, Shard | _StridedShard) and p.dim in (last, -1)
+    ]
+    # the order DTensor cuts the columns in: mesh order, except that a _StridedShard (FSDP2's shard of
+    # a dim tensor parallelism cut first: a bias of a column-wise layer) cuts within the others' pieces
+    cut = [i for i, p in cuts if not isinstance(p, _StridedShard)] + [
+        i for i, p in cuts if isinstance(p, _StridedShard)
     ]
     lead = tuple(local.shape[:-1])
     placements = list(param.placements)
