@@ -39,6 +39,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, MutableMapping
 from typing import TYPE_CHECKING, Any
 
@@ -52,6 +53,7 @@ from muonkit.functional.quantize import (
     STATE_DTYPES,
     block_count,
     block_shape,
+    blocks_consistent,
     dequantize_blockwise,
     quantize_into,
     round_bf16,
@@ -70,7 +72,9 @@ __all__ = [
     "bytes_per_value",
     "check_stored",
     "decode",
+    "decode_saved",
     "loaded",
+    "local_scales",
     "to_work",
 ]
 
@@ -92,15 +96,26 @@ def _plain(t: Tensor) -> Tensor:
     return t
 
 
+def local_scales(codes: Tensor, scales: Tensor) -> Tensor:
+    """The scales of the local ``codes`` among the local ``scales`` a strategy laid out (a view): one per
+    block of the local rows. A layout that shards the last dim holds ``(*lead, 1, ..., 1, k)`` (one
+    unit dim per mesh dim cutting it; see ``block_state``), seen here as ``(*lead, k)``; a rank with
+    fewer blocks than ``k`` uses the first."""
+    lead = codes.dim() - 1
+    if codes.dim() and scales.dim() > codes.dim() and math.prod(scales.shape[lead:-1]) == 1:
+        scales = scales.reshape(*scales.shape[:lead], scales.shape[-1])
+    cols = codes.shape[-1] if codes.dim() else 1
+    return scales[..., : block_count(cols)]
+
+
 def decode(own: Mapping[str, Any], key: str, local: Local = _plain, *, unsigned: bool = False) -> Tensor:
     """The local values of the state ``key`` of ``own`` (one param's state) in fp32 (a new tensor), or
     the stored tensor itself where it is already in a work dtype. ``local``: the strategy's view of
     the part this rank holds (plain tensors: themselves)."""
     value = local(own[key])
     if value.dtype == CODE_DTYPE:
-        scales = local(own[key + SCALE_SUFFIX])
-        cols = value.shape[-1] if value.dim() else 1
-        return dequantize_blockwise(value, scales[..., : block_count(cols)], signed=not unsigned)
+        scales = local_scales(value, local(own[key + SCALE_SUFFIX]))
+        return dequantize_blockwise(value, scales, signed=not unsigned)
     return value.float() if value.dtype == torch.bfloat16 else value
 
 
@@ -207,8 +222,7 @@ class Blockwise8(Codec):
         self, held: list[Tensor], value: Tensor, own: Own, key: str, *, unsigned: bool, ok: Tensor | None
     ) -> None:
         """The codes and scales of ``value``; where ``ok`` is False, the stored ones stay."""
-        codes, scales = held
-        scales = scales[..., : block_count(codes.shape[-1] if codes.dim() else 1)]
+        codes, scales = held[0], local_scales(held[0], held[1])
         if ok is None:
             quantize_into(codes, scales, value, signed=not unsigned, check=False)
             return
@@ -231,6 +245,45 @@ def to_work(own: Mapping[str, Any], key: str, p: Tensor, strategy: Strategy, *, 
     return new
 
 
+def decode_saved(codes: Tensor, scales: Tensor, *, unsigned: bool) -> Tensor:
+    """The whole fp32 values of a whole tensor of 8-bit ``codes`` and its ``scales`` as a checkpoint
+    holds them, laid out by the layout that saved them: ``(*lead, blocks)`` for blocks of the whole
+    rows (no rank's part cut the last dim), ``(*lead, n_1, ..., n_m, k)`` for blocks of each piece
+    of the columns cut ``n_1`` ways, each piece ``n_2`` ways... as ``Shard`` placements of the last
+    dim cut them (``torch.chunk`` sizes; ``block_state``). For loading on a layout that cuts the
+    blocks elsewhere (the caller codes the values again in its own blocks). ``ValueError`` where
+    codes and scales do not fit (corrupted: see :func:`~muonkit.functional.quantize.blocks_consistent`)."""
+    lead = codes.dim() - 1
+    if codes.dim() and scales.dim() > codes.dim():
+        sizes = tuple(scales.shape[lead:-1])
+        ranges = [(0, codes.shape[-1])]
+        for n in sizes:  # DTensor's nested cut: each piece of the previous mesh dim's cut, n ways
+            cut = []
+            for a, b in ranges:
+                size = -(-(b - a) // n)
+                cut += [(min(a + i * size, b), min(a + (i + 1) * size, b)) for i in range(n)]
+            ranges = cut
+        flat = scales.reshape(*scales.shape[:lead], math.prod(sizes), scales.shape[-1])
+        pieces = [(codes[..., a:b], flat[..., i, :]) for i, (a, b) in enumerate(ranges)]
+    else:
+        pieces = [(codes, scales)]
+    out = []
+    for part, held in pieces:
+        want = block_shape(tuple(part.shape), BLOCK)
+        if tuple(held.shape[:-1]) != want[:-1] or held.shape[-1] < want[-1]:
+            raise ValueError(
+                f"8-bit codes of shape {tuple(codes.shape)} do not fit scales of shape {tuple(scales.shape)}"
+            )
+        held = held[..., : want[-1]]
+        if part.numel() and not bool(blocks_consistent(part, held).all()):
+            raise ValueError(
+                f"8-bit codes of shape {tuple(codes.shape)} do not fit their scales of shape {tuple(scales.shape)}: "
+                "a block's largest code must be +-448 where its scale is non-zero, 0 where it is 0 (corrupted)"
+            )
+        out.append(dequantize_blockwise(part, held, signed=not unsigned))
+    return torch.cat(out, dim=-1) if len(out) > 1 else out[0]
+
+
 def check_stored(own: Mapping[str, Any], key: str, p: Tensor, local: Local, *, unsigned: bool, rows: bool) -> Tensor:
     """Refuse a stored form of state ``key`` of ``p`` no step could have written (``ValueError``:
     codes without their scales, scales of the wrong shape, negative or non-finite scales, an
@@ -242,15 +295,23 @@ def check_stored(own: Mapping[str, Any], key: str, p: Tensor, local: Local, *, u
         scales = own.get(key + SCALE_SUFFIX)
         if not isinstance(scales, Tensor):
             raise ValueError(f"8-bit state {key!r} has no {key + SCALE_SUFFIX!r}: its block scales are missing")
-        codes, held = view(value), view(scales)
+        codes, stored = view(value), view(scales)
+        held = local_scales(codes, stored)
         want = block_shape(tuple(codes.shape), BLOCK)
-        if held.dtype != torch.float32 or tuple(held.shape[:-1]) != want[:-1] or held.shape[-1] < want[-1]:
+        if stored.dtype != torch.float32 or tuple(held.shape) != want:
             raise ValueError(
-                f"Scales {key + SCALE_SUFFIX!r} have shape {tuple(held.shape)} and dtype {held.dtype}: 8-bit codes of "
-                f"local shape {tuple(codes.shape)} need float32 scales of shape {want} (one per block of {BLOCK})"
+                f"Scales {key + SCALE_SUFFIX!r} have local shape {tuple(stored.shape)} and dtype {stored.dtype}: 8-bit "
+                f"codes of local shape {tuple(codes.shape)} need float32 scales of shape {want} (one per block of "
+                f"{BLOCK} along the last dim of the part this rank holds)"
             )
         if held.numel() and not bool((torch.isfinite(held) & (held >= 0)).all()):
             raise ValueError(f"Scales {key + SCALE_SUFFIX!r} hold negative, NaN or inf values: the state is corrupted")
+        if codes.numel() and not bool(blocks_consistent(codes, held).all()):
+            raise ValueError(
+                f"8-bit state {key!r} does not fit its scales {key + SCALE_SUFFIX!r}: a block's largest code must be "
+                f"+-448 where its scale is a normal float and 0 where its scale is 0, as every write leaves them "
+                "(the codes or the scales are corrupted)"
+            )
     elif key + SCALE_SUFFIX in own:
         raise ValueError(f"State {key!r} is {value.dtype}, not 8-bit codes, yet has scales {key + SCALE_SUFFIX!r}")
     elif not value.is_floating_point():

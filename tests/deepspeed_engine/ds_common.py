@@ -95,17 +95,23 @@ def train(engine: Any, steps: int, start: int = 0) -> list[float]:
 
 
 def reference(
-    init: dict[str, Tensor], steps: int, *, world: int, bf16: bool, normuon: bool = False
+    init: dict[str, Tensor], steps: int, *, world: int, bf16: bool, normuon: bool = False, state_dtype: str = "fp32"
 ) -> tuple[nn.Module, list[float]]:
     """Single-device HybridMuon on the same micro-batches; returns the fp32 model and raw gradient norms.
 
-    ``normuon``: NorMuon on the matrices and cautious weight decay everywhere (:data:`NORMUON_OPTIONS`)."""
+    ``normuon``: NorMuon on the matrices and cautious weight decay everywhere (:data:`NORMUON_OPTIONS`);
+    ``state_dtype``: how the reference keeps its optimizer states."""
     master = Net()
     master.load_state_dict(init)
     options = {k: v for k, v in OPTIONS.items() if k != "ns_dtype"}
     groups = muonkit.param_groups(master, **options, muon_algorithm="normuon" if normuon else "muon")
     opt = muonkit.HybridMuon(
-        groups, ns_dtype=torch.float64, strategy=SingleDeviceStrategy(), cautious_wd=normuon, normuon_beta2=0.9
+        groups,
+        ns_dtype=torch.float64,
+        strategy=SingleDeviceStrategy(),
+        cautious_wd=normuon,
+        normuon_beta2=0.9,
+        state_dtype=state_dtype,
     )
     work = copy.deepcopy(master).to(torch.bfloat16) if bf16 else master
     norms = []

@@ -55,6 +55,7 @@ from torch import nn
 from muonkit._compat import CHECKPOINT_FEATURE, CHECKPOINT_TORCH, requires_torch
 from muonkit.atomic import TMP_SUFFIX, check_replaceable, prepare_dir, publish_dir, readable_dir
 from muonkit.distributed import checkpoint_files
+from muonkit.functional.quantize import BLOCK, CODE_DTYPE, SCALE_SUFFIX, block_shape, quantize_into
 
 __all__ = ["load_checkpoint", "save_checkpoint"]
 
@@ -106,8 +107,10 @@ def load_checkpoint(
 
     path = readable_dir(os.path.abspath(os.fspath(path)))
     files = checkpoint_files.open_checkpoint(path, trusted=trusted)  # checks the files before anything changes
-    state, names = _state_to_load(model, optimizer, files.entries, where=path)
+    state, names, recode = _state_to_load(model, optimizer, files.entries, where=path)
     files.load(state)
+    params = dict(zip((n for group in names for n in group), _params(optimizer), strict=True))
+    _recode(params, state["optimizer"]["state"], recode, where=path)
     _load_optimizer(optimizer, state["optimizer"], names, where=path)
     set_model_state_dict(model, state["model"])
 
@@ -117,9 +120,10 @@ _STATE, _GROUPS = "optimizer.state.", "optimizer.param_groups."
 
 def _state_to_load(
     model: nn.Module, optimizer: torch.optim.Optimizer, saved: Mapping[str, Any], *, where: str
-) -> tuple[dict[str, Any], list[list[str]]]:
+) -> tuple[dict[str, Any], list[list[str]], list[tuple[str, str]]]:
     """What to read (new tensors for every model entry, for exactly the optimizer state entries the
-    checkpoint holds and for the group keys it holds), and the names of each group's params.
+    checkpoint holds and for the group keys it holds), the names of each group's params, and the
+    8-bit states read whole, to be coded again in this layout's blocks (:func:`_recode`).
 
     Built from the checkpoint's metadata, not from the optimizer's states: a fresh optimizer has
     none (DCP's ``get_state_dict`` creates them with a zero-lr step, but only when no param has a
@@ -147,12 +151,13 @@ def _state_to_load(
             f"have: {_some(unknown)} (its params: {_some(list(params))})"
         )
     state = {fqn: {key: _new_like(params[fqn], meta) for key, meta in keys.items()} for fqn, keys in entries.items()}
+    recode = [(fqn, key) for fqn, keys in entries.items() for key in _lay_out_scales(params[fqn], keys, state[fqn])]
     kept = [  # a key the checkpoint lacks (saved before it existed) keeps its current value
         {key: _new(value) for key, value in group.items() if f"{_GROUPS}{i}.{key}" in saved}
         for i, group in enumerate(groups)
     ]
     new_model = {key: _new(value) for key, value in model_state.items()}
-    return {"model": new_model, "optimizer": {"state": state, "param_groups": kept}}, names
+    return {"model": new_model, "optimizer": {"state": state, "param_groups": kept}}, names, recode
 
 
 @contextmanager
@@ -188,6 +193,82 @@ def _new_like(p: torch.Tensor, meta: Any) -> Any:
     if isinstance(p, DTensor) and tuple(meta.size) == tuple(p.shape):
         return torch.empty_like(p, dtype=meta.properties.dtype)
     return torch.empty(meta.size, dtype=meta.properties.dtype, device=p.device)
+
+
+def _lay_out_scales(p: torch.Tensor, saved: Mapping[str, Any], into: dict[str, Any]) -> list[str]:
+    """Where to read the block scales ``K_scale`` of each 8-bit state ``K`` shaped like ``p``.
+
+    As this run's strategy lays them out (``block_state``: ``p``'s placements on the leading dims,
+    each rank reading the scales of its own rows) where the checkpoint's blocks are this layout's.
+    Where they are not (the last dim was cut another number of ways, or cut where here it is
+    whole, or the reverse: FSDP2 on dim 1, tensor parallelism row-wise, any FSDP2 of a 1-D param),
+    the codes and scales are read whole on every rank (a transient copy of the whole state at one
+    byte per value) and :func:`_recode` codes them again in this layout's blocks after the read:
+    returns those keys."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    whole = []
+    for key, meta in saved.items():
+        codes = saved.get(key[: -len(SCALE_SUFFIX)]) if key.endswith(SCALE_SUFFIX) else None
+        if not (isinstance(meta, TensorStorageMetadata) and isinstance(codes, TensorStorageMetadata)):
+            continue
+        if tuple(codes.size) != tuple(p.shape) or codes.properties.dtype != CODE_DTYPE:
+            continue
+        laid = _block_scales(p, meta.properties.dtype)
+        if tuple(meta.size) == tuple(laid.shape):
+            into[key] = laid
+        else:  # read whole, coded again after the read
+            into[key] = torch.empty(meta.size, dtype=meta.properties.dtype, device=p.device)
+            into[key[: -len(SCALE_SUFFIX)]] = torch.empty(codes.size, dtype=CODE_DTYPE, device=p.device)
+            whole.append(key[: -len(SCALE_SUFFIX)])
+    return whole
+
+
+def _block_scales(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(p, DTensor):
+        from muonkit.distributed.dtensor_placement import block_state
+
+        return cast(torch.Tensor, block_state(p, dtype, BLOCK))
+    return torch.zeros(block_shape(tuple(p.shape), BLOCK), dtype=dtype, device=p.device)
+
+
+def _recode(
+    params: Mapping[str, torch.Tensor], state: dict[str, dict[str, Any]], keys: list[tuple[str, str]], *, where: str
+) -> None:
+    """Code the states read whole (:func:`_lay_out_scales`) again in this layout's blocks: each rank
+    decodes the whole tensor with the blocks that saved it and codes its own part. Not bit for bit
+    (other blocks, other rounding), as close as one more round of the code. ``ValueError`` naming
+    the entry where the saved codes do not fit their scales (nothing is loaded)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    from muonkit.state_checks import NONNEGATIVE
+    from muonkit.state_precision import decode_saved, local_scales
+
+    for fqn, key in keys:
+        p, own = params[fqn], state[fqn]
+        codes, scales = own[key], own[key + SCALE_SUFFIX]
+        try:
+            values = decode_saved(codes, scales, unsigned=key in NONNEGATIVE)
+        except ValueError as e:
+            raise ValueError(
+                f"Cannot load the 8-bit optimizer state {fqn}.{key} of the checkpoint at {where}: {e}"
+            ) from None
+        new_codes = torch.zeros_like(p, dtype=CODE_DTYPE) if isinstance(p, DTensor) else torch.zeros_like(codes)
+        new_scales = _block_scales(p, torch.float32)
+        local_codes = new_codes.to_local() if isinstance(new_codes, DTensor) else new_codes
+        if isinstance(p, DTensor):
+            values = distribute_tensor(values, p.device_mesh, p.placements, src_data_rank=None).to_local()
+        if local_codes.numel():
+            held = new_scales.to_local() if isinstance(new_scales, DTensor) else new_scales
+            quantize_into(
+                local_codes,
+                local_scales(local_codes, held),
+                values.reshape(local_codes.shape),
+                signed=key not in NONNEGATIVE,
+            )
+        own[key], own[key + SCALE_SUFFIX] = new_codes, new_scales
 
 
 def _new(value: Any) -> Any:

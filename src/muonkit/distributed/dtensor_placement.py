@@ -521,9 +521,14 @@ def block_state(param: Any, dtype: torch.dtype, blocks: int) -> Any:
 
     Where no placement shards the last dim, every rank's blocks are the whole tensor's: the global
     shape is ``(*shape[:-1], ceil(cols / blocks))`` with ``param``'s placements, and a checkpoint
-    reshards it like any state. Where some do, each rank holds ``k = ceil(c / blocks)`` values per
-    row (``c``: the most columns a rank holds); the last dim is ``k`` times the number of shards of
-    it (a rank holding fewer columns leaves its last values unused).
+    reshards it like any state. Where some do, each rank cuts its own blocks: one more dim per
+    mesh dim that cuts the columns, ``(*shape[:-1], n_1, ..., n_m, k)`` (``n_j`` that mesh dim's
+    size, in the order DTensor cuts the columns: mesh order, a ``_StridedShard`` within the plain
+    shards' pieces), each sharded by its mesh dim, so
+    each rank holds ``(*local_lead, 1, ..., 1, k)``; ``k = ceil(c / blocks)`` with ``c`` the most
+    columns a rank holds (a rank holding fewer leaves its last values unused). The shape says how
+    the columns were cut: a checkpoint holding such scales is read as saved only by a layout that
+    cuts them the same way, and decoded with that cut by any other (never taken for other blocks).
     """
     from torch.distributed.tensor import DTensor
 
@@ -535,21 +540,29 @@ def block_state(param: Any, dtype: torch.dtype, blocks: int) -> Any:
         )
     last = len(shape) - 1
     cuts = [
-        param.device_mesh.size(i)
-        for i, placement in enumerate(param.placements)
-        if isinstance(placement, Shard | _StridedShard) and placement.dim in (last, -1)
+        (i, p) for i, p in enumerate(param.placements) if isinstance(p, Shard | _StridedShard) and p.dim in (last, -1)
     ]
-    count = -(-local.shape[-1] // blocks)
-    if cuts:
+    # the order DTensor cuts the columns in: mesh order, except that a _StridedShard (FSDP2's shard of
+    # a dim tensor parallelism cut first: a bias of a column-wise layer) cuts within the others' pieces
+    cut = [i for i, p in cuts if not isinstance(p, _StridedShard)] + [
+        i for i, p in cuts if isinstance(p, _StridedShard)
+    ]
+    lead = tuple(local.shape[:-1])
+    placements = list(param.placements)
+    if cut:
+        sizes = [param.device_mesh.size(i) for i in cut]
         most = shape[-1]
-        for n in cuts:
+        for n in sizes:
             most = -(-most // n)
         count = -(-most // blocks)
-        whole = (*shape[:-1], count * math.prod(cuts))
+        whole: tuple[int, ...] = (*shape[:-1], *sizes, count)
+        for j, i in enumerate(cut):
+            placements[i] = Shard(last + j)
+        values = torch.zeros((*lead, *[1] * len(sizes), count), dtype=dtype, device=local.device)
     else:
         whole = (*shape[:-1], -(-shape[-1] // blocks))
-    values = torch.zeros((*local.shape[:-1], count), dtype=dtype, device=local.device)
+        values = torch.zeros((*lead, -(-local.shape[-1] // blocks)), dtype=dtype, device=local.device)
     stride = tuple(math.prod(whole[i + 1 :]) for i in range(len(whole)))
     return DTensor.from_local(
-        values, param.device_mesh, param.placements, run_check=False, shape=torch.Size(whole), stride=stride
+        values, param.device_mesh, placements, run_check=False, shape=torch.Size(whole), stride=stride
     )

@@ -46,6 +46,7 @@ __all__ = [
     "STATE_DTYPES",
     "block_count",
     "block_shape",
+    "blocks_consistent",
     "dequantize_blockwise",
     "quantize_blockwise",
     "quantize_into",
@@ -147,6 +148,20 @@ def dequantize_blockwise(codes: Tensor, scales: Tensor, *, signed: bool) -> Tens
         out = out[..., : out.shape[-1] - pad]
     out = out.reshape(codes.shape)
     return out if signed else out.square_()
+
+
+def blocks_consistent(codes: Tensor, scales: Tensor) -> Tensor:
+    """Per block (``scales``' shape): whether the codes are what a write leaves. A block whose scale
+    is a normal float holds its largest value as the code +-448 (``absmax / scale`` lands on 448 at
+    most one fp32 rounding away, and e4m3 rounds it to 448); a block whose scale is 0 holds only
+    zeros (a scale below fp32's normal range loses the relation, and is not checked; nor is a
+    block holding a NaN code, which the callers refuse as non-finite). Codes and
+    scales from two different cuts of the same values (another layout's blocks) almost never pass."""
+    peak, _ = _blocks(codes.float().abs())
+    peak = peak.amax(dim=-1).reshape(scales.shape)
+    normal = scales >= torch.finfo(torch.float32).tiny
+    fits = torch.where(normal, peak == _TOP, torch.where(scales == 0, peak == 0, True))
+    return fits | peak.isnan()  # a NaN code: refused as a non-finite value, by the value checks
 
 
 _MIX = (0x7FEB352D, 0x846CA68B - (1 << 32))  # odd multipliers of a 32-bit integer hash (lowbias32), as int32

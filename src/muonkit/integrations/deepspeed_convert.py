@@ -68,8 +68,11 @@ import torch
 from torch import Tensor
 
 from muonkit.atomic import check_replaceable, prepare_dir, publish_dir, replace_file
+from muonkit.functional.quantize import CODE_DTYPE, SCALE_SUFFIX, quantize_blockwise
 from muonkit.functional.rules import WHOLE_STATES
 from muonkit.integrations.deepspeed_checkpoint import SAFE_CLASSES, latest_tag
+from muonkit.state_checks import NONNEGATIVE
+from muonkit.state_precision import decode_saved
 
 __all__ = ["SAFE_CLASSES", "convert", "copy_trainer_files", "main"]
 
@@ -265,14 +268,12 @@ def _contiguous(
         size = _partition_size(length, world)
         parts = _split(merged, size, world)
         pid = base["param_groups"][gi]["params"][0]
-        _check_states(
-            [sd["base_optimizer_state"]["state"].get(pid, {}) for sd in osd],
-            [sd["single_partition_of_fp32_groups"][gi] for sd in osd],
-            f"param group {gi}",
-        )
+        saved = [sd["base_optimizer_state"]["state"].get(pid, {}) for sd in osd]
+        coded, states = _decoded(saved, same=world == len(osd))
+        _check_states(states, [sd["single_partition_of_fp32_groups"][gi] for sd in osd], f"param group {gi}")
         merged_state = {
-            k: _merge([sd["base_optimizer_state"]["state"][pid][k] for sd in osd], old_size, length)
-            for k, v in base["state"].get(pid, {}).items()
+            k: _merge([state[k] for state in states], old_size, length)
+            for k, v in states[0].items()
             if _partitioned(k, v)
         }
         for rank, sd in enumerate(new):
@@ -281,8 +282,8 @@ def _contiguous(
             sd["single_partition_of_fp32_groups"].append(parts[rank][:keep].clone())
             sd["group_paddings"].append(padding if not bf16_optimizer or rank == world - 1 else 0)
             state = {k: _split(t, size, world)[rank].clone() for k, t in merged_state.items()}
-            state |= {k: v for k, v in base["state"].get(pid, {}).items() if not _partitioned(k, v)}
-            sd["base_optimizer_state"]["state"][pid] = state
+            state |= {k: v for k, v in states[0].items() if not _partitioned(k, v)}
+            sd["base_optimizer_state"]["state"][pid] = _coded(state, coded, saved[rank] if world == len(osd) else None)
             sd["param_slice_mappings"].append(_slices(names[gi], numels, offsets, rank * size, size))
     return new
 
@@ -325,19 +326,57 @@ def _zero3(osd: list[dict[str, Any]], shapes: list[list[Any]], world: int) -> li
     for si, (pid, group_shapes) in enumerate(zip(pids, shapes, strict=True)):
         numels = [math.prod(s) for s in group_shapes]
         tensors = {"fp32": [sd["fp32_flat_groups"][si] for sd in osd]}
-        _check_states(
-            [sd["optimizer_state_dict"]["state"].get(pid, {}) for sd in osd], tensors["fp32"], f"sub-group {si}"
-        )
-        for k, v in base["state"].get(pid, {}).items():
+        saved = [sd["optimizer_state_dict"]["state"].get(pid, {}) for sd in osd]
+        coded, states = _decoded(saved, same=world == old)
+        _check_states(states, tensors["fp32"], f"sub-group {si}")
+        for k, v in states[0].items():
             if _partitioned(k, v):
-                tensors[k] = [sd["optimizer_state_dict"]["state"][pid][k] for sd in osd]
+                tensors[k] = [state[k] for state in states]
         redone = {k: _repartition_params(parts, numels, old, world) for k, parts in tensors.items()}
         for rank, sd in enumerate(new):
             sd["fp32_flat_groups"].append(redone["fp32"][rank])
             state = {k: v[rank] for k, v in redone.items() if k != "fp32"}
-            state |= {k: v for k, v in base["state"].get(pid, {}).items() if not _partitioned(k, v)}
-            sd["optimizer_state_dict"]["state"][pid] = state
+            state |= {k: v for k, v in states[0].items() if not _partitioned(k, v)}
+            sd["optimizer_state_dict"]["state"][pid] = _coded(state, coded, saved[rank] if world == old else None)
     return new
+
+
+def _decoded(saved: list[dict[str, Any]], *, same: bool) -> tuple[list[str], list[dict[str, Any]]]:
+    """The 8-bit state keys of a partition (``state_dtype="8bit"``) and every rank's state with them
+    decoded to fp32, scales dropped: an 8-bit state's blocks of 256 run along each rank's flat
+    partition, so they cannot be cut and joined as bytes. ``same`` (the same world size: the same
+    partitions): the codes stand in as their uint8 bytes (no scale is read), to be put back as saved.
+    bf16 states need nothing: their values do not depend on the partition."""
+    coded = sorted(k for k, v in saved[0].items() if torch.is_tensor(v) and v.dtype == CODE_DTYPE) if saved else []
+    if not coded:
+        return coded, saved
+    out = []
+    for rank, state in enumerate(saved):
+        missing = [k + SCALE_SUFFIX for k in coded if not torch.is_tensor(state.get(k + SCALE_SUFFIX))]
+        if missing:
+            raise ValueError(f"Rank {rank}'s file lacks the block scales {missing} of its 8-bit states: corrupted")
+        plain = {k: v for k, v in state.items() if not (k.endswith(SCALE_SUFFIX) and k[: -len(SCALE_SUFFIX)] in coded)}
+        for k in coded:
+            if same:
+                plain[k] = state[k].view(torch.uint8)
+                continue
+            try:
+                plain[k] = decode_saved(state[k], state[k + SCALE_SUFFIX], unsigned=k in NONNEGATIVE)
+            except ValueError as e:
+                raise ValueError(f"The 8-bit state {k} in rank {rank}'s file: {e}") from None
+        out.append(plain)
+    return coded, out
+
+
+def _coded(state: dict[str, Any], coded: list[str], saved: dict[str, Any] | None) -> dict[str, Any]:
+    """``state`` (a new rank's, 8-bit states decoded by :func:`_decoded`) with them coded again in the
+    new partition's blocks, or (``saved``: the same partition) as they were saved, bytes and scales."""
+    for k in coded:
+        if saved is not None:
+            state[k], state[k + SCALE_SUFFIX] = saved[k], saved[k + SCALE_SUFFIX]
+        else:
+            state[k], state[k + SCALE_SUFFIX] = quantize_blockwise(state[k], signed=k not in NONNEGATIVE)
+    return state
 
 
 def _check_states(states: list[dict[str, Any]], partitions: list[Tensor], what: str) -> None:
