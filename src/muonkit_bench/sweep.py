@@ -277,8 +277,8 @@ def summarize_arms(full: dict[str, list[Any]], arms: tuple[str, ...]) -> dict[st
             **_arm_summary(full[arm]),
             "variant": VARIANTS[arm],
             "reach": reach[arm],
-            "tokens_to_target": spread(tokens) if all_reached else None,  # type: ignore[arg-type]
-            "token_ratio": adamw_tokens / statistics.fmean(tokens) if all_reached else None,  # type: ignore[arg-type]
+            "tokens_to_target": spread(tokens) if all_reached else None,
+            "token_ratio": adamw_tokens / statistics.fmean(tokens) if all_reached else None,
         }
     first = arms[0]
     for arm in arms[1:]:
