@@ -120,8 +120,8 @@ def run_sweep(plan: SweepPlan, data: Any, *, progress: bool = False) -> dict[str
     def run(**changes: Any) -> Any:
         config = dataclasses.replace(plan.base, **changes)
         logger.info(
-            "%s lr=%s adamw_lr=%s steps=%d seed=%d",
-            config.optimizer, config.lr, config.adamw_lr, config.steps, config.seed,
+            "%s lr=%s adamw_lr=%s steps=%d seed=%d state_dtype=%s per_head=%s",
+            config.optimizer, config.lr, config.adamw_lr, config.steps, config.seed, config.state_dtype, config.per_head,
         )  # fmt: skip
         result = train(config, data, progress=progress)
         result.model = None  # keep memory flat across many runs

@@ -135,7 +135,7 @@ def format_arms(report: dict[str, Any]) -> str:
         "",
         f"full runs, seeds {list(plan['seeds'])} (mean ± sample std [min, max]); "
         f"target = AdamW's mean final val loss {summary['target_val_loss']:.4f}:",
-        f"  {'arm':<16} {'lr':>8} {'final val loss':<38} {'tokens to target':<26} {'ratio':>6} {'opt step ms':>12}",
+        f"  {'arm':<20} {'lr':>8} {'final val loss':<38} {'tokens to target':<26} {'ratio':>6} {'opt step ms':>12}",
     ]
     for arm, s in summary["arms"].items():
         if arm == "adamw":
@@ -145,7 +145,7 @@ def format_arms(report: dict[str, Any]) -> str:
             tokens = "not reached in every seed" if t is None else f"{t['mean']:,.0f} ± {t['std']:,.0f}"
             ratio = "" if s["token_ratio"] is None else f"{s['token_ratio']:.2f}x"
         lines.append(
-            f"  {name:<16} {lr:>8g} {_pm(s['final_val_loss']):<38} {tokens:<26} {ratio:>6} "
+            f"  {name:<20} {lr:>8g} {_pm(s['final_val_loss']):<38} {tokens:<26} {ratio:>6} "
             f"{s['optimizer_step_ms']['mean']:>12.1f}"
         )
     if summary["paired"]:
