@@ -84,6 +84,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--per-head", action="store_true", help="orthogonalize attention per head (c_attn rows, c_proj columns)"
     )
     hyper.add_argument(
+        "--state-dtype",
+        choices=("fp32", "bf16", "8bit"),
+        help="HybridMuon's optimizer state (Muon momentum and its AdamW groups' moments): fp32 (default), bf16 "
+        "(stochastic rounding) or 8bit (blockwise fp8 codes + fp32 scales); the AdamW baseline stays "
+        "torch.optim.AdamW with fp32 state",
+    )
+    hyper.add_argument(
         "--autocast",
         choices=("auto", "bf16", "none"),
         default="auto",
@@ -115,6 +122,8 @@ def build_configs(args: argparse.Namespace) -> tuple[dict[str, Any], Any]:
         run["split_qkv"] = True
     if getattr(args, "per_head", False):
         run["per_head"] = True
+    if getattr(args, "state_dtype", None):
+        run["state_dtype"] = args.state_dtype
     run["autocast"] = autocast_choice(args)
     # The vocabulary is known once the corpus exists; GPTConfig is rebuilt then (main()).
     return corpus, RunConfig(model=GPTConfig(vocab_size=corpus["vocab_size"], **model), **run)

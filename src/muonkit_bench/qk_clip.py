@@ -85,6 +85,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     hyper.add_argument("--weight-decay", type=float, help="Muon weight decay (default 0: nothing holds q/k back)")
     hyper.add_argument("--threshold", type=float, help="QK-Clip's tau, the largest logit allowed (QKClip's default)")
     hyper.add_argument("--alpha", type=float, help="QK-Clip's query share of the factor (QKClip's default)")
+    hyper.add_argument(
+        "--per-head", action="store_true", help="orthogonalize attention per head (param_groups(per_head=True))"
+    )
     run = parser.add_argument_group("run")
     run.add_argument("--seeds", type=int, nargs="+", default=[0], help="one pair of runs per seed (default: 0)")
     run.add_argument("--threads", type=int, help="torch threads (default: torch's)")
@@ -255,6 +258,8 @@ def build_configs(args: argparse.Namespace) -> tuple[dict[str, Any], RunConfig, 
         **preset["qk_clip"],
         **{k: getattr(args, k) for k in ("threshold", "alpha") if getattr(args, k) is not None},
     }
+    if getattr(args, "per_head", False):
+        run["per_head"] = True
     config = RunConfig(model=GPTConfig(vocab_size=corpus["vocab_size"], **model), optimizer="muon", **run)
     return corpus, config, qk_clip
 

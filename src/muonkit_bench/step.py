@@ -249,6 +249,16 @@ def compare_peers(h: Harness, args: argparse.Namespace) -> dict[str, Any]:
             "notes": peer.notes,
             **h.run(peer.build, warmup=args.warmup, repeats=args.repeats, muon=not name.startswith("adamw")),
         }
+        for dtype in _state_dtypes(args) if name.startswith("hybrid_muon") else ():
+            logger.info("%s: %s, %s state", h.name, name, dtype)
+            rows[f"{name}+{dtype}"] = {
+                "notes": f"{peer.notes}; state_dtype={dtype!r} in every group",
+                **h.run(
+                    lambda g, build=peer.build, d=dtype: build([{**x, "state_dtype": d} for x in g]),
+                    warmup=args.warmup,
+                    repeats=args.repeats,
+                ),
+            }
         if args.per_head and name.startswith("hybrid_muon"):
             logger.info("%s: %s per head", h.name, name)
             rows[f"{name}+per_head"] = {
@@ -292,6 +302,20 @@ def _methods(args: argparse.Namespace) -> list[str]:
     return chosen("--methods", args.methods, table, hint=f" ({'; '.join(hints)})" if hints else "")
 
 
+def _state_dtypes(args: argparse.Namespace) -> list[str]:
+    """``--state-dtypes`` other than fp32 (each HybridMuon peer's plain row is fp32): one row each."""
+    from muonkit.functional.quantize import STATE_DTYPES
+
+    text = getattr(args, "state_dtypes", None)
+    if not text:
+        return []
+    wanted = [d for d in text.split(",") if d]
+    bad = [d for d in wanted if d not in STATE_DTYPES]
+    if bad:
+        raise SystemExit(f"Invalid --state-dtypes {text!r}: each must be one of {', '.join(STATE_DTYPES)}")
+    return [d for d in dict.fromkeys(wanted) if d != "fp32"]
+
+
 def _ns_steps(text: str) -> list[int]:
     steps = [s for s in text.split(",") if s]
     if not steps or not all(s.isdigit() and int(s) >= 1 for s in steps):
@@ -306,6 +330,7 @@ def _check_names(args: argparse.Namespace) -> None:
 
     chosen("--models", args.models, MODELS)
     _methods(args)
+    _state_dtypes(args)
     if not args.no_presets:
         chosen("--presets", args.presets, PRESETS)
         _ns_steps(args.ns_steps)
@@ -323,7 +348,8 @@ def _fmt_counts(r: dict[str, Any]) -> str:
 
 
 def format_peers(model: str, rows: dict[str, Any], *, base: str = "hybrid_muon") -> str:
-    ref = rows.get(base) or next(iter(rows.values()))
+    base = base if base in rows else next(iter(rows))
+    ref = rows[base]
     adamw = rows.get("adamw")
     lines = [
         f"{model}: optimizer step (ms: median [min, max]); ratio = median / {base}'s; error on the first step",
@@ -371,6 +397,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-presets", action="store_true", help="skip the second table")
     parser.add_argument(
         "--per-head", action="store_true", help="also run each HybridMuon peer with attention per head (+per_head rows)"
+    )
+    parser.add_argument(
+        "--state-dtypes",
+        help="also run each HybridMuon peer with these optimizer-state precisions (e.g. fp32,bf16,8bit): one "
+        "+bf16 / +8bit row each beside the plain (fp32) row; ratio = median / the base row's",
     )
     parser.add_argument("--grads", choices=("random", "backward"), default="random")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps (the first also gives the error)")

@@ -74,6 +74,14 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 SHORT_FRAC = 0.74
 ARMS = ("adamw", "muon", "muon_short")
+VARIANTS: dict[str, dict[str, Any]] = {
+    "fp32": {"state_dtype": "fp32"},
+    "bf16": {"state_dtype": "bf16"},
+    "8bit": {"state_dtype": "8bit"},
+    "whole": {"per_head": False},
+    "per_head": {"per_head": True},
+}
+"""``--arms``: each HybridMuon variant and the RunConfig fields it sets (on top of the base)."""
 
 
 @dataclass(frozen=True)
@@ -86,8 +94,14 @@ class SweepPlan:
     sweep_frac: float
     seeds: tuple[int, ...]
     short_frac: float = SHORT_FRAC
+    arms: tuple[str, ...] = ()
+    """HybridMuon variants (keys of VARIANTS) compared against one AdamW baseline; () = the
+    classic protocol (AdamW N, HybridMuon N and 0.74 N)."""
 
     def __post_init__(self) -> None:
+        unknown = [a for a in self.arms if a not in VARIANTS]
+        if unknown or len(self.arms) == 1 or len(set(self.arms)) != len(self.arms):
+            raise ValueError(f"Invalid arms={self.arms}: give none, or two or more distinct of {sorted(VARIANTS)}")
         if not self.adamw_lrs or not self.muon_lrs:
             raise ValueError("Invalid sweep: adamw_lrs and muon_lrs must each have at least one lr")
         if not 0 < self.sweep_frac <= 1 or not 0 < self.short_frac <= 1:
@@ -106,8 +120,8 @@ def run_sweep(plan: SweepPlan, data: Any, *, progress: bool = False) -> dict[str
     def run(**changes: Any) -> Any:
         config = dataclasses.replace(plan.base, **changes)
         logger.info(
-            "%s lr=%s adamw_lr=%s steps=%d seed=%d",
-            config.optimizer, config.lr, config.adamw_lr, config.steps, config.seed,
+            "%s lr=%s adamw_lr=%s steps=%d seed=%d state_dtype=%s per_head=%s",
+            config.optimizer, config.lr, config.adamw_lr, config.steps, config.seed, config.state_dtype, config.per_head,
         )  # fmt: skip
         result = train(config, data, progress=progress)
         result.model = None  # keep memory flat across many runs
@@ -117,6 +131,8 @@ def run_sweep(plan: SweepPlan, data: Any, *, progress: bool = False) -> dict[str
     seed0 = plan.seeds[0]
     adamw_sweep = {lr: run(optimizer="adamw", adamw_lr=lr, steps=short, seed=seed0) for lr in plan.adamw_lrs}
     best_adamw = _best(adamw_sweep)
+    if plan.arms:
+        return _run_arms(plan, run, adamw_sweep)
     muon_sweep = {
         lr: run(optimizer="muon", lr=lr, adamw_lr=best_adamw, steps=short, seed=seed0) for lr in plan.muon_lrs
     }
@@ -166,23 +182,11 @@ def _train_time(r: Any) -> float:
 
 def summarize(full: dict[str, list[Any]]) -> dict[str, Any]:
     """Final losses per arm, tokens and time to AdamW's mean final loss, step overhead."""
-    from muonkit_bench.compare import steps_to_reach
-
     arms = {arm: _arm_summary(rs) for arm, rs in full.items()}
     target = arms["adamw"]["final_val_loss"]["mean"]
     adamw_tokens = statistics.fmean(len(r.train_loss) * r.config.tokens_per_step for r in full["adamw"])
     adamw_time = statistics.fmean(_train_time(r) for r in full["adamw"])
-    reach = []
-    for r in full["muon"]:
-        s = steps_to_reach(r.eval_steps, r.val_loss, target=target) if math.isfinite(target) else None
-        reach.append(
-            {
-                "seed": r.config.seed,
-                "steps": s,
-                "tokens": None if s is None else s * r.config.tokens_per_step,
-                "train_time_s": None if s is None else s / len(r.train_loss) * _train_time(r),
-            }
-        )
+    reach = _reach(full["muon"], target)
     reached = [x for x in reach if x["tokens"] is not None]
     tokens = statistics.fmean(x["tokens"] for x in reached) if len(reached) == len(reach) else None
     time_s = statistics.fmean(x["train_time_s"] for x in reached) if len(reached) == len(reach) else None
@@ -200,6 +204,100 @@ def summarize(full: dict[str, list[Any]]) -> dict[str, Any]:
         "short_reaches_target": [bool(v <= target) for v in short_finals],
         "short_minus_target": spread([v - target for v in short_finals]),
     }
+
+
+def _reach(runs: list[Any], target: float) -> list[dict[str, Any]]:
+    """Per run: the (interpolated) steps, tokens and training time to ``target`` (None: not reached)."""
+    from muonkit_bench.compare import steps_to_reach
+
+    reach = []
+    for r in runs:
+        s = steps_to_reach(r.eval_steps, r.val_loss, target=target) if math.isfinite(target) else None
+        reach.append(
+            {
+                "seed": r.config.seed,
+                "steps": s,
+                "tokens": None if s is None else s * r.config.tokens_per_step,
+                "train_time_s": None if s is None else s / len(r.train_loss) * _train_time(r),
+            }
+        )
+    return reach
+
+
+def _run_arms(plan: SweepPlan, run: Any, adamw_sweep: dict[float, Any]) -> dict[str, Any]:
+    """``--arms``: one AdamW baseline (already swept), each HybridMuon variant swept and run per seed."""
+    short = plan.steps(plan.sweep_frac)
+    best_adamw = _best(adamw_sweep)
+    sweeps = {
+        arm: {
+            lr: run(optimizer="muon", lr=lr, adamw_lr=best_adamw, steps=short, seed=plan.seeds[0], **VARIANTS[arm])
+            for lr in plan.muon_lrs
+        }
+        for arm in plan.arms
+    }
+    best = {arm: _best(results) for arm, results in sweeps.items()}
+    full: dict[str, list[Any]] = {"adamw": [], **{arm: [] for arm in plan.arms}}
+    for seed in plan.seeds:
+        full["adamw"].append(run(optimizer="adamw", adamw_lr=best_adamw, seed=seed))
+        for arm in plan.arms:
+            full[arm].append(run(optimizer="muon", lr=best[arm], adamw_lr=best_adamw, seed=seed, **VARIANTS[arm]))
+    return {
+        "plan": {
+            "base": plan.base.to_dict(),
+            "adamw_lrs": plan.adamw_lrs,
+            "muon_lrs": plan.muon_lrs,
+            "sweep_steps": short,
+            "seeds": plan.seeds,
+            "arms": plan.arms,
+        },
+        "sweep": {
+            "adamw": {str(lr): _brief(r) for lr, r in adamw_sweep.items()},
+            "muon": {arm: {str(lr): _brief(r) for lr, r in results.items()} for arm, results in sweeps.items()},
+            "best_adamw_lr": best_adamw,
+            "best_muon_lr": best,
+        },
+        "runs": {arm: [r.to_dict() for r in rs] for arm, rs in full.items()},
+        "summary": summarize_arms(full, plan.arms),
+    }
+
+
+def summarize_arms(full: dict[str, list[Any]], arms: tuple[str, ...]) -> dict[str, Any]:
+    """Per variant: final losses, tokens to AdamW's mean final loss; paired (same seed)
+    differences against the first variant, and whether each is inside the seed noise
+    (``|mean| < 2 * std / sqrt(n)``, the standard error of the mean difference)."""
+    target = spread([r.final_val_loss for r in full["adamw"]])["mean"]
+    adamw_tokens = statistics.fmean(len(r.train_loss) * r.config.tokens_per_step for r in full["adamw"])
+    out: dict[str, Any] = {"target_val_loss": target, "adamw_tokens": adamw_tokens, "arms": {}, "paired": {}}
+    out["arms"]["adamw"] = _arm_summary(full["adamw"])
+    reach = {arm: _reach(full[arm], target) for arm in arms}
+    for arm in arms:
+        tokens = [x["tokens"] for x in reach[arm]]
+        all_reached = all(t is not None for t in tokens)
+        out["arms"][arm] = {
+            **_arm_summary(full[arm]),
+            "variant": VARIANTS[arm],
+            "reach": reach[arm],
+            "tokens_to_target": spread(tokens) if all_reached else None,
+            "token_ratio": adamw_tokens / statistics.fmean(tokens) if all_reached else None,
+        }
+    first = arms[0]
+    for arm in arms[1:]:
+        loss = [r.final_val_loss - r0.final_val_loss for r, r0 in zip(full[arm], full[first], strict=True)]
+        tokens = [
+            x["tokens"] - x0["tokens"]
+            for x, x0 in zip(reach[arm], reach[first], strict=True)
+            if x["tokens"] is not None and x0["tokens"] is not None
+        ]
+        out["paired"][arm] = {"vs": first, "final_val_loss": paired(loss), "tokens_to_target": paired(tokens)}
+    return out
+
+
+def paired(diffs: list[float]) -> dict[str, Any]:
+    """Spread of paired differences, their standard error, and ``inside_noise``: ``|mean| < 2 se``
+    (None with fewer than two finite pairs)."""
+    s = spread(diffs)
+    se = s["std"] / math.sqrt(s["n"]) if s["n"] > 1 else math.nan
+    return {**s, "se": se, "inside_noise": bool(abs(s["mean"]) < 2 * se) if s["n"] > 1 else None}
 
 
 def _arm_summary(results: list[Any]) -> dict[str, Any]:
@@ -227,6 +325,13 @@ def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--seeds", help="comma-separated seeds of the full runs (default: the preset's)")
     group.add_argument("--adamw-lrs", help="comma-separated AdamW lrs to sweep (default: the preset's)")
     group.add_argument("--muon-lrs", help="comma-separated Muon lrs to sweep (default: the preset's)")
+    group.add_argument(
+        "--arms",
+        help="compare HybridMuon variants against one AdamW baseline instead of the N / 0.74 N protocol: "
+        f"comma-separated, two or more of {', '.join(VARIANTS)} (e.g. fp32,bf16,8bit or whole,per_head); "
+        "each gets its own Muon lr sweep and a full run per seed at its best lr; paired differences are "
+        "against the first",
+    )
 
 
 def plan_from_args(args: argparse.Namespace, *, vocab_size: int) -> SweepPlan:
@@ -244,6 +349,9 @@ def plan_from_args(args: argparse.Namespace, *, vocab_size: int) -> SweepPlan:
         if getattr(args, name, None) is not None:
             run[name] = getattr(args, name)
     run["autocast"] = autocast_choice(args)
+    for name in ("split_qkv", "per_head", "state_dtype"):  # the variant flags; --arms sets them per arm
+        if getattr(args, name, None):
+            run[name] = getattr(args, name)
     base = RunConfig(model=GPTConfig(vocab_size=vocab_size, **model), **run)
 
     def floats(text: str | None, default: tuple[float, ...]) -> tuple[float, ...]:
@@ -256,6 +364,7 @@ def plan_from_args(args: argparse.Namespace, *, vocab_size: int) -> SweepPlan:
         muon_lrs=floats(getattr(args, "muon_lrs", None), preset["muon_lrs"]),
         sweep_frac=preset["sweep_frac"],
         seeds=seeds,
+        arms=tuple(a.strip() for a in args.arms.split(",")) if getattr(args, "arms", None) else (),
     )
 
 
@@ -264,7 +373,7 @@ def main(args: argparse.Namespace) -> int:
 
     from muonkit_bench.data import load_corpus
     from muonkit_bench.environment import environment
-    from muonkit_bench.sweep_report import finite_json, format_summary, plot_sweep
+    from muonkit_bench.sweep_report import finite_json, format_arms, format_summary, plot_arms, plot_sweep
 
     vocab = getattr(args, "vocab_size", None) or PRESETS[args.sweep]["vocab_size"]
     corpus = load_corpus(vocab_size=vocab, cache_dir=getattr(args, "cache_dir", None))
@@ -277,11 +386,11 @@ def main(args: argparse.Namespace) -> int:
         corpus={k: corpus.meta[k] for k in corpus.meta if k != "train_plays"},
         environment=environment(),
     )
-    print(format_summary(report))
+    print(format_arms(report) if plan.arms else format_summary(report))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "sweep.json").write_text(json.dumps(finite_json(report), indent=2, default=str))
     if not getattr(args, "no_plot", False):
-        plot_sweep(report, out / "sweep.png")
+        (plot_arms if plan.arms else plot_sweep)(report, out / "sweep.png")
     print(f"\nwrote {out / 'sweep.json'}" + ("" if getattr(args, "no_plot", False) else f" and {out / 'sweep.png'}"))
     return 0

@@ -115,3 +115,96 @@ def plot_sweep(report: dict[str, Any], path: str | Path) -> None:
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+def format_arms(report: dict[str, Any]) -> str:
+    """The table of ``--sweep --arms``: each HybridMuon variant against one AdamW baseline."""
+    plan, sweep, summary = report["plan"], report["sweep"], report["summary"]
+    arms = list(plan["arms"])
+    lines = [f"lr sweep at {plan['sweep_steps']} steps (seed {plan['seeds'][0]}), final val loss:"]
+    rows = [("AdamW lr", sweep["adamw"], sweep["best_adamw_lr"])]
+    rows += [(f"{arm} Muon lr", sweep["muon"][arm], sweep["best_muon_lr"][arm]) for arm in arms]
+    for name, results, best in rows:
+        cells = "  ".join(f"{lr}: {_loss(r['final_val_loss'])}" for lr, r in results.items())
+        grid = sorted(float(lr) for lr in results)
+        edge = (
+            "  (best at the grid's edge: widen it to be sure)" if len(grid) > 1 and best in (grid[0], grid[-1]) else ""
+        )
+        lines.append(f"  {name:<16} {cells}   best {best}{edge}")
+    lines += [
+        "",
+        f"full runs, seeds {list(plan['seeds'])} (mean ± sample std [min, max]); "
+        f"target = AdamW's mean final val loss {summary['target_val_loss']:.4f}:",
+        f"  {'arm':<20} {'lr':>8} {'final val loss':<38} {'tokens to target':<26} {'ratio':>6} {'opt step ms':>12}",
+    ]
+    for arm, s in summary["arms"].items():
+        if arm == "adamw":
+            name, lr, tokens, ratio = "AdamW", s["adamw_lr"], f"{summary['adamw_tokens']:,.0f} (all)", ""
+        else:
+            name, lr, t = f"HybridMuon {arm}", s["lr"], s["tokens_to_target"]
+            tokens = "not reached in every seed" if t is None else f"{t['mean']:,.0f} ± {t['std']:,.0f}"
+            ratio = "" if s["token_ratio"] is None else f"{s['token_ratio']:.2f}x"
+        lines.append(
+            f"  {name:<20} {lr:>8g} {_pm(s['final_val_loss']):<38} {tokens:<26} {ratio:>6} "
+            f"{s['optimizer_step_ms']['mean']:>12.1f}"
+        )
+    if summary["paired"]:
+        lines += ["", f"paired differences (same seed) against {arms[0]}; inside the noise: |mean| < 2 se:"]
+    for arm, p in summary["paired"].items():
+        for what, digits in (("final_val_loss", 4), ("tokens_to_target", 0)):
+            d = p[what]
+            if not d["n"]:
+                lines.append(f"  {arm} - {arms[0]} {what}: no complete pairs")
+                continue
+            verdict = {True: "inside the noise", False: "outside the noise", None: "one pair: no noise estimate"}
+            lines.append(
+                f"  {arm} - {arms[0]} {what}: {d['mean']:+,.{digits}f} ± {d['std']:,.{digits}f} "
+                f"(se {d['se']:,.{digits}f}, n {d['n']}): {verdict[d['inside_noise']]}"
+            )
+    return "\n".join(lines)
+
+
+def plot_arms(report: dict[str, Any], path: str | Path) -> None:
+    """``--arms``: left, each variant's Muon lr sweep; right, val loss against tokens, every seed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = ["tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown"]
+    arm_colors = {"adamw": "tab:blue", **dict(zip(report["plan"]["arms"], colors, strict=False))}
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8), dpi=120)
+    for arm, results in report["sweep"]["muon"].items():
+        points = [(float(lr), r["final_val_loss"]) for lr, r in results.items()]
+        points = [(lr, v) for lr, v in points if v is not None and math.isfinite(v)]
+        if points:
+            left.plot(*zip(*points, strict=True), "o-", color=arm_colors[arm], label=f"HybridMuon {arm}")
+    left.set_xscale("log")
+    left.set_xlabel("Muon learning rate")
+    left.set_ylabel(f"final val loss after {report['plan']['sweep_steps']} steps")
+    left.set_title("Muon lr sweep per variant (seed 0)")
+    left.grid(alpha=0.3)
+    left.legend(fontsize=8)
+    finals = []
+    for arm, runs in report["runs"].items():
+        for i, r in enumerate(runs):
+            vals = [v if v is not None and math.isfinite(v) else math.nan for v in r["val_loss"]]
+            finals += [v for v in vals[1:] if math.isfinite(v)]
+            label = ("AdamW" if arm == "adamw" else f"HybridMuon {arm}") if i == 0 else None
+            right.plot(
+                [t / 1e6 for t in r["eval_tokens"]], vals, "-", color=arm_colors[arm], lw=1.2, alpha=0.8, label=label
+            )
+    target = report["summary"]["target_val_loss"]
+    if target is not None and math.isfinite(target):
+        right.axhline(target, color="gray", ls="--", lw=0.8, label="AdamW mean final")
+    if finals:
+        low = min(finals)
+        right.set_ylim(low - 0.05, low + max(1.0, 0.5 * (max(finals) - low)))
+    right.set_xlabel("training tokens (millions)")
+    right.set_ylabel("val loss (nats/token)")
+    right.set_title("full runs, every seed")
+    right.grid(alpha=0.3)
+    right.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

@@ -43,6 +43,7 @@ import torch
 from torch import Tensor, nn
 
 from muonkit.functional.orthogonalize import default_compute_dtype
+from muonkit.functional.quantize import STATE_DTYPES
 from muonkit_bench.model import GPT, GPTConfig
 
 logger = logging.getLogger(__name__)
@@ -100,6 +101,9 @@ class RunConfig:
         betas, adamw_eps: AdamW moments, for the baseline and HybridMuon's AdamW groups alike.
         momentum, ns_coefficients, adjust_lr, split_qkv: Muon settings (muonkit's defaults).
         per_head: attention projections orthogonalized per head (``param_groups(per_head=True)``).
+        state_dtype: HybridMuon's optimizer state (Muon momentum, NorMuon row moments and its
+            AdamW groups' moments): ``"fp32"``, ``"bf16"`` or ``"8bit"`` (issue 24). The
+            ``"adamw"`` baseline is ``torch.optim.AdamW`` and always keeps fp32 state.
         steps, batch_size: optimizer steps and sequences per step (tokens/step = batch * block).
         warmup_frac, decay_frac: schedule fractions (see the module docstring).
         grad_clip: clip the global gradient norm to this before every step (None: no clipping).
@@ -127,6 +131,7 @@ class RunConfig:
     adjust_lr: str | None = "keller"
     split_qkv: bool = False
     per_head: bool = False
+    state_dtype: str = "fp32"
     steps: int = 600
     batch_size: int = 16
     warmup_frac: float = 0.05
@@ -158,6 +163,8 @@ class RunConfig:
             raise ValueError(f"Invalid grad_clip={self.grad_clip!r}: must be None or > 0")
         if self.autocast not in ("auto", "bf16", None):
             raise ValueError(f"Invalid autocast={self.autocast!r}: must be 'auto', 'bf16' or None")
+        if self.state_dtype not in STATE_DTYPES:
+            raise ValueError(f"Invalid state_dtype={self.state_dtype!r}: must be one of {STATE_DTYPES}")
         if self.threads is not None and self.threads <= 0:
             raise ValueError(f"Invalid threads={self.threads!r}: must be None or a positive int")
 
@@ -273,7 +280,7 @@ def build_optimizer(model: nn.Module, config: RunConfig) -> torch.optim.Optimize
         muon_options=muon,
         adamw_options=adamw,
     )
-    return HybridMuon(no_decay_on_vectors(routed))
+    return HybridMuon(no_decay_on_vectors(routed), state_dtype=config.state_dtype)
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:

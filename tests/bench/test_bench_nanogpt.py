@@ -154,6 +154,16 @@ def test_optimizers_share_adamw_settings_and_route_the_gpt() -> None:
             assert g["weight_decay"] == (0.1 if all(p.ndim >= 2 for p in g["params"]) else 0.0)
 
 
+def test_state_dtype_reaches_every_hybrid_muon_group_and_never_the_baseline() -> None:
+    model = GPT(SMALL)
+    muon = build_optimizer(model, RunConfig(model=SMALL, state_dtype="8bit"))
+    assert {g["state_dtype"] for g in muon.param_groups} == {"8bit"}
+    adamw = build_optimizer(model, RunConfig(model=SMALL, optimizer="adamw", state_dtype="8bit"))
+    assert isinstance(adamw, torch.optim.AdamW)  # the baseline is torch's, fp32 state whatever the flag
+    with pytest.raises(ValueError, match="Invalid state_dtype='fp16'"):
+        RunConfig(model=SMALL, state_dtype="fp16")
+
+
 def test_normuon_runs_route_the_matrices_to_normuon_at_its_own_lr() -> None:
     model = GPT(SMALL)
     muon = build_optimizer(model, RunConfig(model=SMALL))

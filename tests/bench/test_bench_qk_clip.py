@@ -6,6 +6,7 @@ is about speed or about which arm reaches the lower loss.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 from pathlib import Path
@@ -15,6 +16,7 @@ import torch
 
 from muonkit import HybridMuon, QKClip, param_groups
 from muonkit.cli import main
+from muonkit_bench import qk_clip
 from muonkit_bench.data import Corpus
 from muonkit_bench.model import GPT, GPTConfig
 from muonkit_bench.qk_clip import LogitMeter, run_arm
@@ -156,3 +158,11 @@ def test_cli_refuses_a_bad_threshold_before_training(tmp_path: Path, cache_dir: 
     with pytest.raises(ValueError, match=r"Invalid threshold=-1\.0"):
         main([*argv, "--cache-dir", str(cache_dir), "--no-progress"])
     assert not (tmp_path / "qk_clip.json").exists()
+
+
+def test_per_head_flag_reaches_the_run_config() -> None:
+    parser = argparse.ArgumentParser()
+    qk_clip.add_arguments(parser)
+    for flags, per_head in (([], False), (["--per-head"], True)):
+        _, config, _ = qk_clip.build_configs(parser.parse_args(["--preset", "tiny", *flags]))
+        assert config.per_head is per_head and config.optimizer == "muon"

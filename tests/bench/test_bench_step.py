@@ -108,3 +108,15 @@ def test_cli_per_head_rows(tmp_path: Path) -> None:
     assert heads["matrices"] == 2 * (3 * 2 + 2 + 2)  # per layer: c_attn 6 heads' rows, c_proj 2 heads, the MLP's 2
     assert heads["flops"] < whole["flops"]
     assert heads["polar"] is None  # per-head matrices are not the whole matrix's polar factor
+
+
+def test_cli_state_dtype_rows(tmp_path: Path) -> None:
+    """``--state-dtypes`` adds a +bf16 and a +8bit row beside each HybridMuon peer's fp32 row."""
+    argv = ["bench", "step", "--models", "tiny", "--warmup", "1", "--repeats", "1", "--out", str(tmp_path)]
+    argv += ["--methods", "hybrid_muon", "--no-presets", "--state-dtypes", "fp32,bf16,8bit"]
+    assert main(argv) == 0
+    rows = json.loads((tmp_path / "step.json").read_text())["models"]["tiny"]["peers"]
+    assert list(rows) == ["hybrid_muon", "hybrid_muon+bf16", "hybrid_muon+8bit"]
+    assert all(r["aten_calls"] and r["matrices"] == rows["hybrid_muon"]["matrices"] for r in rows.values())
+    with pytest.raises(SystemExit, match="Invalid --state-dtypes"):
+        main([*argv[:-1], "fp16"])

@@ -70,3 +70,51 @@ def test_gpu_preset_builds_a_gpt2_small_body_on_cuda() -> None:
     assert (model.n_layer, model.n_embd, model.n_head, model.block_size) == (12, 768, 12, 512)
     assert plan.base.device == "cuda" and plan.base.autocast == "auto" and plan.base.steps == 1000
     assert plan.steps(plan.sweep_frac) == 300 and plan.steps(plan.short_frac) == 740
+
+
+def test_arms_summary_pairs_seeds_against_the_first_arm() -> None:
+    full = {
+        "adamw": [fake_run(0, [5.0, 4.0, 3.0]), fake_run(1, [5.0, 4.2, 3.2]), fake_run(2, [5.0, 4.1, 3.1])],
+        "fp32": [fake_run(0, [5.0, 3.1, 2.5]), fake_run(1, [5.0, 3.5, 2.7]), fake_run(2, [5.0, 3.1, 2.6])],
+        "8bit": [fake_run(0, [5.0, 3.1, 2.6]), fake_run(1, [5.0, 3.5, 2.8]), fake_run(2, [5.0, 3.1, 2.7])],
+        "bf16": [fake_run(0, [5.0, 3.2, 2.4]), fake_run(1, [5.0, 3.5, 2.8]), fake_run(2, [5.0, 3.0, 2.6])],
+    }
+    s = sweep.summarize_arms(full, ("fp32", "8bit", "bf16"))  # type: ignore[arg-type]
+    assert s["target_val_loss"] == pytest.approx(3.1)
+    assert s["arms"]["fp32"]["variant"] == {"state_dtype": "fp32"}
+    # fp32 reaches 3.1 at steps 5, 7.5, 5: 100 tokens a step
+    assert s["arms"]["fp32"]["tokens_to_target"]["mean"] == pytest.approx(100 * 17.5 / 3)
+    assert s["arms"]["fp32"]["token_ratio"] == pytest.approx(1000 / (100 * 17.5 / 3))
+    eight = s["paired"]["8bit"]["final_val_loss"]  # +0.1 in every seed: no spread, outside the noise
+    assert s["paired"]["8bit"]["vs"] == "fp32"
+    assert eight["mean"] == pytest.approx(0.1) and eight["std"] == pytest.approx(0.0, abs=1e-12)
+    assert eight["inside_noise"] is False
+    bf16 = s["paired"]["bf16"]["final_val_loss"]  # -0.1, +0.1, 0: mean 0, inside the noise
+    assert bf16["mean"] == pytest.approx(0.0, abs=1e-12) and bf16["se"] == pytest.approx(0.1 / math.sqrt(3))
+    assert bf16["inside_noise"] is True
+    assert sweep.paired([0.5])["inside_noise"] is None  # one pair: no noise estimate
+
+
+def test_arms_must_be_known_distinct_and_at_least_two() -> None:
+    args = SimpleNamespace(sweep="tiny", seeds=None, adamw_lrs=None, muon_lrs=None)
+    for bad in ("fp32", "fp32,fp16", "fp32,fp32"):
+        with pytest.raises(ValueError, match="Invalid arms"):
+            sweep.plan_from_args(SimpleNamespace(**vars(args), arms=bad), vocab_size=512)  # type: ignore[arg-type]
+    plan = sweep.plan_from_args(SimpleNamespace(**vars(args), arms="whole,per_head"), vocab_size=512)  # type: ignore[arg-type]
+    assert plan.arms == ("whole", "per_head")
+
+
+def test_tiny_arms_sweep_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["bench", "nanogpt", "--sweep", "tiny", "--out", str(tmp_path), "--steps", "8", "--no-progress"]
+    assert main([*argv, "--adamw-lrs", "8e-3", "--muon-lrs", "0.02,0.05", "--arms", "fp32,8bit", "--no-plot"]) == 0
+    printed = capsys.readouterr().out
+    assert "paired differences (same seed) against fp32" in printed and "HybridMuon 8bit" in printed
+    report = json.loads((tmp_path / "sweep.json").read_text())
+    assert report["plan"]["arms"] == ["fp32", "8bit"]
+    assert set(report["sweep"]["muon"]) == {"fp32", "8bit"} and set(report["sweep"]["muon"]["8bit"]) == {"0.02", "0.05"}
+    assert set(report["runs"]) == {"adamw", "fp32", "8bit"}
+    for arm, dtype in (("adamw", "fp32"), ("fp32", "fp32"), ("8bit", "8bit")):
+        assert [r["config"]["seed"] for r in report["runs"][arm]] == [0, 1]
+        assert {r["config"]["state_dtype"] for r in report["runs"][arm]} == {dtype}
+        assert report["runs"][arm][0]["config"]["optimizer"] == ("adamw" if arm == "adamw" else "muon")
+    assert report["summary"]["paired"]["8bit"]["final_val_loss"]["n"] == 2
