@@ -92,14 +92,23 @@ def plot_sweep(report: dict[str, Any], path: str | Path) -> None:
     left.set_title("lr sweep (seed 0)")
     left.grid(alpha=0.3)
     left.legend(fontsize=8)
+    _full_runs(right, report, color=COLORS.__getitem__, name=ARM_NAMES.__getitem__, lw=1.4)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def _full_runs(right: Any, report: dict[str, Any], *, color: Any, name: Any, lw: float) -> None:
+    """The right panel: every full run's validation curve against tokens (``color(arm)``, ``name(arm)``)
+    and AdamW's mean final loss."""
     finals = []
     for arm, runs in report["runs"].items():
         for i, r in enumerate(runs):
             vals = [v if v is not None and math.isfinite(v) else math.nan for v in r["val_loss"]]
             finals += [v for v in vals[1:] if math.isfinite(v)]
             right.plot(
-                [t / 1e6 for t in r["eval_tokens"]], vals, "-", color=COLORS[arm], lw=1.4, alpha=0.8,
-                label=ARM_NAMES[arm] if i == 0 else None,
+                [t / 1e6 for t in r["eval_tokens"]], vals, "-", color=color(arm), lw=lw, alpha=0.8,
+                label=name(arm) if i == 0 else None,
             )  # fmt: skip
     target = report["summary"]["target_val_loss"]
     if target is not None and math.isfinite(target):
@@ -112,9 +121,6 @@ def plot_sweep(report: dict[str, Any], path: str | Path) -> None:
     right.set_title("full runs, every seed")
     right.grid(alpha=0.3)
     right.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
 
 
 def format_arms(report: dict[str, Any]) -> str:
@@ -185,26 +191,10 @@ def plot_arms(report: dict[str, Any], path: str | Path) -> None:
     left.set_title("Muon lr sweep per variant (seed 0)")
     left.grid(alpha=0.3)
     left.legend(fontsize=8)
-    finals = []
-    for arm, runs in report["runs"].items():
-        for i, r in enumerate(runs):
-            vals = [v if v is not None and math.isfinite(v) else math.nan for v in r["val_loss"]]
-            finals += [v for v in vals[1:] if math.isfinite(v)]
-            label = ("AdamW" if arm == "adamw" else f"HybridMuon {arm}") if i == 0 else None
-            right.plot(
-                [t / 1e6 for t in r["eval_tokens"]], vals, "-", color=arm_colors[arm], lw=1.2, alpha=0.8, label=label
-            )
-    target = report["summary"]["target_val_loss"]
-    if target is not None and math.isfinite(target):
-        right.axhline(target, color="gray", ls="--", lw=0.8, label="AdamW mean final")
-    if finals:
-        low = min(finals)
-        right.set_ylim(low - 0.05, low + max(1.0, 0.5 * (max(finals) - low)))
-    right.set_xlabel("training tokens (millions)")
-    right.set_ylabel("val loss (nats/token)")
-    right.set_title("full runs, every seed")
-    right.grid(alpha=0.3)
-    right.legend(fontsize=8)
+    _full_runs(
+        right, report, color=arm_colors.__getitem__, lw=1.2,
+        name=lambda arm: "AdamW" if arm == "adamw" else f"HybridMuon {arm}",
+    )  # fmt: skip
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

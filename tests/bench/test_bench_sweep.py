@@ -11,6 +11,7 @@ import pytest
 
 from muonkit.cli import main
 from muonkit_bench import stats, sweep
+from muonkit_bench.sweep_report import plot_arms
 
 
 def fake_run(seed: int, val: list[float], steps: int = 10, wall: float = 10.0) -> SimpleNamespace:
@@ -113,6 +114,8 @@ def test_tiny_arms_sweep_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert report["plan"]["arms"] == ["fp32", "8bit"]
     assert set(report["sweep"]["muon"]) == {"fp32", "8bit"} and set(report["sweep"]["muon"]["8bit"]) == {"0.02", "0.05"}
     assert set(report["runs"]) == {"adamw", "fp32", "8bit"}
+    plot_arms(report, tmp_path / "arms.png")  # the figure of an --arms run, from its report
+    assert (tmp_path / "arms.png").stat().st_size > 0
     for arm, dtype in (("adamw", "fp32"), ("fp32", "fp32"), ("8bit", "8bit")):
         assert [r["config"]["seed"] for r in report["runs"][arm]] == [0, 1]
         assert {r["config"]["state_dtype"] for r in report["runs"][arm]} == {dtype}
