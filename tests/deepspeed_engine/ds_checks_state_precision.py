@@ -26,13 +26,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from ds_checks_train import _initialize
-from ds_common import config, full_params, reference, train, update_errors
+from ds_common import config, full_params, gather_state, reference, train, update_errors
 from ds_worker import Context, check
 
 from muonkit.cli import main as muonkit_cli
 from muonkit.functional.quantize import CODE_DTYPE, SCALE_SUFFIX
-from muonkit.state_checks import NONNEGATIVE
-from muonkit.state_precision import decode
 
 STEPS = 2
 SAVE_AT = 2
@@ -62,27 +60,7 @@ def local_states(engine: Any) -> dict[str, torch.Tensor]:
 
 def gather_decoded(engine: Any) -> dict[str, torch.Tensor]:
     """Every rank: whole per-parameter master weights and decoded (fp32) states, from the flat partitions."""
-    hybrid = engine.optimizer.optimizer
-    strategy = hybrid.strategy
-    out = {}
-    for flat in strategy.partitions:
-        layout = strategy.partition_of(flat)
-        own = hybrid.state[flat]
-        tensors = {"fp32": flat.detach()} | {
-            k: decode(own, k, unsigned=k in NONNEGATIVE).float()
-            for k, v in own.items()
-            if isinstance(v, torch.Tensor) and v.ndim > 0 and not k.endswith(SCALE_SUFFIX)
-        }
-        for key, local in tensors.items():
-            parts = [torch.empty_like(local) for _ in range(layout.world_size)]
-            dist.all_gather(parts, local.contiguous())
-            for param in layout.params:
-                whole = torch.empty(param.numel, dtype=local.dtype)
-                for piece in param.pieces:
-                    seg = parts[piece.rank][piece.local_offset : piece.local_offset + piece.length]
-                    whole[piece.param_offset : piece.param_offset + piece.length] = seg
-                out[f"{param.name}:{key}"] = whole.view(param.shape)
-    return out
+    return gather_state(engine, decoded=True)
 
 
 def _stored_dtypes(engine: Any) -> set[str]:

@@ -151,18 +151,28 @@ def update_errors(got: dict[str, Tensor], want: nn.Module, init: dict[str, Tenso
     return out
 
 
-def gather_state(engine: Any) -> dict[str, Tensor]:
+def gather_state(engine: Any, *, decoded: bool = False) -> dict[str, Tensor]:
     """Every rank: whole per-parameter master weights and optimizer states, from muonkit's partitions.
 
     Rebuilt from the flat partitions through each :class:`FlatPartition` (DeepSpeed's own
-    ``safe_get_full_optimizer_state`` only sees the state of the first param group).
+    ``safe_get_full_optimizer_state`` only sees the state of the first param group). ``decoded``:
+    bf16 and 8-bit states as their fp32 values (:func:`muonkit.state_precision.decode`; 8-bit codes
+    cannot travel over gloo), their scales left out.
     """
+    from muonkit.state_checks import NONNEGATIVE
+    from muonkit.state_precision import SCALE_SUFFIX, decode
+
     hybrid = engine.optimizer.optimizer
     strategy = hybrid.strategy
     out = {}
     for flat in strategy.partitions:
         layout = strategy.partition_of(flat)
-        tensors = {"fp32": flat.detach()} | {k: v for k, v in hybrid.state[flat].items() if v.ndim > 0}
+        own = hybrid.state[flat]
+        tensors = {"fp32": flat.detach()} | {
+            k: decode(own, k, unsigned=k in NONNEGATIVE).float() if decoded else v
+            for k, v in own.items()
+            if isinstance(v, Tensor) and v.ndim > 0 and not (decoded and k.endswith(SCALE_SUFFIX))
+        }
         for key, local in tensors.items():
             parts = [torch.empty_like(local) for _ in range(layout.world_size)]
             dist.all_gather(parts, local.contiguous())
