@@ -185,7 +185,7 @@ def _rows_state(p: Tensor, spec: StateSpec, config: MuonConfig, strategy: Strate
     if value is not None:
         if config.codec is None and value.dtype == work_dtype(p.dtype):
             return value.clone()
-        return state_precision.decode(own, spec.key, unsigned=spec.nonnegative).to(work_dtype(p.dtype), copy=True)
+        return state_precision.decoded_copy(own, spec.key, work_dtype(p.dtype), unsigned=spec.nonnegative)
     count = row_count(p, spec, whole_shapes=strategy.whole_shapes, layout=config.layout) or 0
     return torch.zeros(count, dtype=work_dtype(p.dtype), device=p.device)
 

@@ -73,6 +73,7 @@ __all__ = [
     "check_stored",
     "decode",
     "decode_saved",
+    "decoded_copy",
     "loaded",
     "local_scales",
     "to_work",
@@ -119,6 +120,15 @@ def decode(own: Mapping[str, Any], key: str, local: Local = _plain, *, unsigned:
     return value.float() if value.dtype == torch.bfloat16 else value
 
 
+def decoded_copy(
+    own: Mapping[str, Any], key: str, dtype: torch.dtype, local: Local = _plain, *, unsigned: bool = False
+) -> Tensor:
+    """:func:`decode` as a new tensor in ``dtype`` the caller may change: copied only where the stored
+    tensor is already a work-dtype one (8-bit and bf16 forms decode into a new tensor)."""
+    fresh = own[key].dtype in (CODE_DTYPE, torch.bfloat16)
+    return decode(own, key, local, unsigned=unsigned).to(dtype, copy=not fresh)
+
+
 class Codec:
     """A lower-precision way of keeping states: how to read one into an fp32 working tensor and store it back."""
 
@@ -131,8 +141,7 @@ class Codec:
         decoded from whatever form it is stored in, or zeros where ``p`` has none yet."""
         if key not in own:
             return torch.zeros_like(strategy.local(p), dtype=work_dtype(p.dtype))
-        fresh = own[key].dtype in (CODE_DTYPE, torch.bfloat16)  # decoded into a new tensor already
-        return decode(own, key, strategy.local, unsigned=unsigned).to(work_dtype(p.dtype), copy=not fresh)
+        return decoded_copy(own, key, work_dtype(p.dtype), strategy.local, unsigned=unsigned)
 
     def advance(self, own: Own, p: Tensor, ok: Tensor | None) -> None:
         """Called once per committed Muon-family param and step, before its states are written."""

@@ -145,14 +145,7 @@ def run_sweep(plan: SweepPlan, data: Any, *, progress: bool = False) -> dict[str
             run(optimizer="muon", lr=best_muon, adamw_lr=best_adamw, seed=seed, steps=plan.steps(plan.short_frac))
         )
     return {
-        "plan": {
-            "base": plan.base.to_dict(),
-            "adamw_lrs": plan.adamw_lrs,
-            "muon_lrs": plan.muon_lrs,
-            "sweep_steps": short,
-            "seeds": plan.seeds,
-            "short_steps": plan.steps(plan.short_frac),
-        },
+        "plan": _plan_record(plan, short_steps=plan.steps(plan.short_frac)),
         "sweep": {
             "adamw": {str(lr): _brief(r) for lr, r in adamw_sweep.items()},
             "muon": {str(lr): _brief(r) for lr, r in muon_sweep.items()},
@@ -224,6 +217,18 @@ def _reach(runs: list[Any], target: float) -> list[dict[str, Any]]:
     return reach
 
 
+def _plan_record(plan: SweepPlan, **extra: Any) -> dict[str, Any]:
+    """What a report records of its plan: the base config, the grids, the sweep's length, the seeds, and ``extra``."""
+    return {
+        "base": plan.base.to_dict(),
+        "adamw_lrs": plan.adamw_lrs,
+        "muon_lrs": plan.muon_lrs,
+        "sweep_steps": plan.steps(plan.sweep_frac),
+        "seeds": plan.seeds,
+        **extra,
+    }
+
+
 def _run_arms(plan: SweepPlan, run: Any, adamw_sweep: dict[float, Any]) -> dict[str, Any]:
     """``--arms``: one AdamW baseline (already swept), each HybridMuon variant swept and run per seed."""
     short = plan.steps(plan.sweep_frac)
@@ -242,14 +247,7 @@ def _run_arms(plan: SweepPlan, run: Any, adamw_sweep: dict[float, Any]) -> dict[
         for arm in plan.arms:
             full[arm].append(run(optimizer="muon", lr=best[arm], adamw_lr=best_adamw, seed=seed, **VARIANTS[arm]))
     return {
-        "plan": {
-            "base": plan.base.to_dict(),
-            "adamw_lrs": plan.adamw_lrs,
-            "muon_lrs": plan.muon_lrs,
-            "sweep_steps": short,
-            "seeds": plan.seeds,
-            "arms": plan.arms,
-        },
+        "plan": _plan_record(plan, arms=plan.arms),
         "sweep": {
             "adamw": {str(lr): _brief(r) for lr, r in adamw_sweep.items()},
             "muon": {arm: {str(lr): _brief(r) for lr, r in results.items()} for arm, results in sweeps.items()},
