@@ -8,6 +8,9 @@ tensors with the same algorithm) and returns an object with ``step()``, ``zero_g
 - ``hybrid_muon`` / ``hybrid_muon_ns``: :class:`muonkit.HybridMuon` with its default Gram iteration /
   with the plain Newton-Schulz iteration torch.optim.Muon runs.
 - ``torch_muon``: ``torch.optim.Muon`` on the Muon groups (2D only) + ``torch.optim.AdamW`` on the rest.
+  It always runs Newton-Schulz in bf16; ``peers(ns_dtype="fp32")`` (``bench step --ns-dtype fp32``)
+  runs torch's own iteration in fp32 instead (:func:`torch_muon_in_fp32`), so that the step can be
+  compared with HybridMuon's in the same dtype.
 - ``torch_muon_compiled`` / ``adamw_compiled`` (``peers(compiled=True)``, ``bench step --compiled``):
   ``torch_muon`` and ``adamw`` with their ``step()`` under ``torch.compile``, as compiled training
   loops run them. They compile only where ``TORCH_COMPILE_DISABLE=0`` is set explicitly (else they,
@@ -21,9 +24,10 @@ tensors with the same algorithm) and returns an object with ``step()``, ``zero_g
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +35,9 @@ import torch
 from torch import Tensor
 
 Groups = list[dict[str, Any]]
+
+NS_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+"""The Newton-Schulz dtypes ``peers(ns_dtype=)`` can impose on HybridMuon and torch.optim.Muon alike."""
 
 
 @dataclass(frozen=True)
@@ -45,7 +52,12 @@ class Peer:
 class TorchMuonAdamW:
     """``torch.optim.Muon`` on the Muon groups plus ``torch.optim.AdamW`` on the rest, one ``step()``."""
 
-    def __init__(self, groups: Groups, *, lr: float = 0.02, adamw_lr: float = 3e-4, **muon: Any) -> None:
+    def __init__(
+        self, groups: Groups, *, lr: float = 0.02, adamw_lr: float = 3e-4, ns_dtype: str = "bf16", **muon: Any
+    ) -> None:
+        if ns_dtype not in NS_DTYPES:
+            raise ValueError(f"Invalid ns_dtype={ns_dtype!r}: torch.optim.Muon's iteration runs in {sorted(NS_DTYPES)}")
+        self.fp32 = ns_dtype == "fp32"
         matrices = [p for g in groups if g["algorithm"] == "muon" for p in g["params"]]
         others = [p for g in groups if g["algorithm"] != "muon" for p in g["params"]]
         muon.setdefault("adjust_lr_fn", "original")  # = Keller's sqrt(max(1, rows/cols))
@@ -58,12 +70,30 @@ class TorchMuonAdamW:
         return {**self.muon.state, **self.adamw.state}
 
     def step(self) -> None:
-        self.muon.step()
+        with torch_muon_in_fp32() if self.fp32 else contextlib.nullcontext():
+            self.muon.step()
         self.adamw.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.muon.zero_grad(set_to_none)
         self.adamw.zero_grad(set_to_none)
+
+
+@contextlib.contextmanager
+def torch_muon_in_fp32() -> Iterator[None]:
+    """torch.optim.Muon's own iteration in the gradient's dtype (fp32 here) instead of bf16.
+
+    ``torch.optim._muon._zeropower_via_newtonschulz`` casts the matrix with ``grad.bfloat16()``
+    (its only cast) and runs every product in that dtype; while this is active that method is a
+    ``clone()``, so the same code runs unchanged in fp32. For benchmarks only (it rebinds a
+    ``torch.Tensor`` method for the duration of one ``step()``).
+    """
+    saved = torch.Tensor.bfloat16
+    torch.Tensor.bfloat16 = torch.Tensor.clone  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.Tensor.bfloat16 = saved  # type: ignore[method-assign]
 
 
 class CompiledStep:
@@ -139,27 +169,42 @@ def _disable_compile_unless_asked() -> None:
         torch._dynamo.config.disable = True
 
 
-def peers(*, deepspeed: bool = True, compiled: bool = False) -> dict[str, Peer]:
-    """The comparable set: every Muon method with Keller's coefficients and 5 steps, Nesterov, bf16;
-    with ``compiled``, also the peers whose ``step()`` runs under ``torch.compile``."""
+def peers(*, deepspeed: bool = True, compiled: bool = False, ns_dtype: str | None = None) -> dict[str, Peer]:
+    """The comparable set: every Muon method with Keller's coefficients and 5 steps, Nesterov;
+    with ``compiled``, also the peers whose ``step()`` runs under ``torch.compile``.
+
+    ``ns_dtype`` (``"bf16"`` or ``"fp32"``): the Newton-Schulz dtype of HybridMuon and
+    torch.optim.Muon alike (a same-dtype comparison); None: each its own (HybridMuon bf16 where
+    this machine multiplies bf16 fast, else fp32; torch.optim.Muon always bf16). DeepSpeed's Muon
+    always picks its own.
+    """
+    if ns_dtype is not None and ns_dtype not in NS_DTYPES:
+        raise ValueError(f"Invalid ns_dtype={ns_dtype!r}: must be one of {sorted(NS_DTYPES)} or None")
+    ours: dict[str, Any] = {} if ns_dtype is None else {"ns_dtype": NS_DTYPES[ns_dtype]}
+    mine = "bf16 where fast, else fp32" if ns_dtype is None else ns_dtype
+    torch_dtype = ns_dtype or "bf16"
     table = {
         "adamw": Peer("adamw", adamw, "torch.optim.AdamW foreach, all tensors"),
         "hybrid_muon": Peer(
             "hybrid_muon",
-            lambda g: hybrid_muon(g, ns_coefficients="keller", ns_steps=5),
-            "muonkit HybridMuon, keller x5, bf16, batched by shape, Gram where aspect >= 2 (default method)",
+            lambda g: hybrid_muon(g, ns_coefficients="keller", ns_steps=5, **ours),
+            f"muonkit HybridMuon, keller x5, {mine}, batched by shape, Gram where aspect >= 2 in fp32 (default method)",
         ),
         "hybrid_muon_ns": Peer(
             "hybrid_muon_ns",
-            lambda g: hybrid_muon(g, ns_coefficients="keller", ns_steps=5, ns_method="newton_schulz"),
-            "muonkit HybridMuon, keller x5, bf16, batched by shape, plain Newton-Schulz (torch's iteration)",
+            lambda g: hybrid_muon(g, ns_coefficients="keller", ns_steps=5, ns_method="newton_schulz", **ours),
+            f"muonkit HybridMuon, keller x5, {mine}, batched by shape, plain Newton-Schulz (torch's iteration)",
         ),
         "hybrid_muon_pe": Peer(
             "hybrid_muon_pe",
-            lambda g: hybrid_muon(g, ns_coefficients="polar_express", ns_steps=5),
-            "muonkit HybridMuon default: polar_express x5, bf16, Gram where aspect >= 2",
+            lambda g: hybrid_muon(g, ns_coefficients="polar_express", ns_steps=5, **ours),
+            f"muonkit HybridMuon default: polar_express x5, {mine}, Gram where aspect >= 2 in fp32",
         ),
-        "torch_muon": Peer("torch_muon", TorchMuonAdamW, "torch.optim.Muon keller x5 bf16 + torch AdamW foreach"),
+        "torch_muon": Peer(
+            "torch_muon",
+            lambda g: TorchMuonAdamW(g, ns_dtype=torch_dtype),
+            f"torch.optim.Muon keller x5 {torch_dtype} + torch AdamW foreach",
+        ),
     }
     if compiled:
         how = "torch.compile'd step" if compile_enabled() else "step run eagerly (TORCH_COMPILE_DISABLE is not 0)"
@@ -168,8 +213,8 @@ def peers(*, deepspeed: bool = True, compiled: bool = False) -> dict[str, Peer]:
         )
         table["torch_muon_compiled"] = Peer(
             "torch_muon_compiled",
-            lambda g: CompiledStep(TorchMuonAdamW(g)),
-            f"torch.optim.Muon keller x5 bf16 + torch AdamW foreach, {how}",
+            lambda g: CompiledStep(TorchMuonAdamW(g, ns_dtype=torch_dtype)),
+            f"torch.optim.Muon keller x5 {torch_dtype} + torch AdamW foreach, {how}",
         )
     if deepspeed:
         for method in ("standard", "gram"):
@@ -177,6 +222,6 @@ def peers(*, deepspeed: bool = True, compiled: bool = False) -> dict[str, Peer]:
                 f"deepspeed_{method}",
                 functools.partial(deepspeed_muon, ns_method=method),
                 f"DeepSpeed SingleDeviceMuonWithAuxAdam ns_method={method!r} (keller x5, "
-                f"{deepspeed_ns_dtype(method)} here) + inline per-tensor Adam; writes p.grad",
+                f"{deepspeed_ns_dtype(method)} here, its own choice) + inline per-tensor Adam; writes p.grad",
             )
     return table

@@ -239,7 +239,7 @@ def _error_summary(errors: dict[str, dict[str, float]]) -> dict[str, float | Non
 def compare_peers(h: Harness, args: argparse.Namespace) -> dict[str, Any]:
     from muonkit_bench.peers import peers
 
-    table = peers(deepspeed=not args.no_deepspeed, compiled=args.compiled)
+    table = peers(deepspeed=not args.no_deepspeed, compiled=args.compiled, ns_dtype=getattr(args, "ns_dtype", None))
     wanted = _methods(args) or list(table)
     rows = {}
     for name in wanted:
@@ -270,15 +270,16 @@ def compare_peers(h: Harness, args: argparse.Namespace) -> dict[str, Any]:
 
 def compare_presets(h: Harness, args: argparse.Namespace) -> dict[str, Any]:
     from muonkit.functional.coefficients import PRESETS
-    from muonkit_bench.peers import hybrid_muon
+    from muonkit_bench.peers import NS_DTYPES, hybrid_muon
 
+    ours: dict[str, Any] = {"ns_dtype": NS_DTYPES[args.ns_dtype]} if getattr(args, "ns_dtype", None) else {}
     rows = {}
     for preset in chosen("--presets", args.presets, PRESETS):
         for steps in _ns_steps(args.ns_steps):
             logger.info("%s: hybrid_muon %s x%d", h.name, preset, steps)
 
             def build(groups: list[dict[str, Any]], preset: str = preset, steps: int = steps) -> Any:
-                return hybrid_muon(groups, ns_coefficients=preset, ns_steps=steps)
+                return hybrid_muon(groups, ns_coefficients=preset, ns_steps=steps, **ours)
 
             rows[f"{preset}x{steps}"] = {
                 "preset": preset,
@@ -403,6 +404,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also run each HybridMuon peer with these optimizer-state precisions (e.g. fp32,bf16,8bit): one "
         "+bf16 / +8bit row each beside the plain (fp32) row; ratio = median / the base row's",
     )
+    parser.add_argument(
+        "--ns-dtype", choices=("bf16", "fp32"),
+        help="Newton-Schulz dtype of HybridMuon and torch.optim.Muon alike, for a same-dtype comparison (default: "
+        "each its own: HybridMuon bf16 where this machine multiplies bf16 fast, else fp32; torch.optim.Muon bf16); "
+        "DeepSpeed's Muon keeps its own",
+    )  # fmt: skip
     parser.add_argument("--grads", choices=("random", "backward"), default="random")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps (the first also gives the error)")
     parser.add_argument("--repeats", type=int, default=5, help="timed steps")
@@ -427,6 +434,8 @@ def main(args: argparse.Namespace) -> int:
         "args": {k: v for k, v in vars(args).items() if not callable(v)},
         "models": {},
     }
+    if getattr(args, "ns_dtype", None):
+        print(f"Newton-Schulz in {args.ns_dtype} for HybridMuon and torch.optim.Muon (DeepSpeed's Muon: its own)\n")
     for name in args.models.split(","):
         h = Harness(name, device=args.device, grads=args.grads, seed=args.seed)
         entry: dict[str, Any] = {"params": h.n_params, "muon_params": h.n_muon, "peers": compare_peers(h, args)}

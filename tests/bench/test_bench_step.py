@@ -120,3 +120,60 @@ def test_cli_state_dtype_rows(tmp_path: Path) -> None:
     assert all(r["aten_calls"] and r["matrices"] == rows["hybrid_muon"]["matrices"] for r in rows.values())
     with pytest.raises(SystemExit, match="Invalid --state-dtypes"):
         main([*argv[:-1], "fp16"])
+
+
+def _keller_float64(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
+    """Keller's quintic iteration in float64, short side first (the reference of the peers' iteration)."""
+    a, b, c = 3.4445, -4.7750, 2.0315
+    x = g.double()
+    tall = x.size(0) > x.size(1)
+    x = x.T if tall else x
+    x = x / x.norm().clamp(min=1e-7)
+    for _ in range(steps):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x.T if tall else x
+
+
+@pytest.mark.parametrize("shape", [(24, 40), (48, 16)])
+def test_torch_muon_in_fp32_runs_torchs_iteration_in_fp32(shape: tuple[int, int]) -> None:
+    """``ns_dtype="fp32"`` runs torch.optim.Muon's own iteration in fp32: its update is within fp32
+    rounding of a float64 run of the same iteration, where the default (bf16) is ~1e-2 away; and
+    ``torch.Tensor.bfloat16`` is itself again after the step."""
+    from muonkit_bench.peers import TorchMuonAdamW
+
+    gen = torch.Generator().manual_seed(1)
+    u, _ = torch.linalg.qr(torch.randn(shape[0], shape[0], generator=gen))
+    v, _ = torch.linalg.qr(torch.randn(shape[1], shape[1], generator=gen))
+    s = torch.logspace(0, -4, min(shape))  # ill-conditioned: singular values 1 .. 1e-4
+    grad = (u[:, : len(s)] * s) @ v[:, : len(s)].T
+    scale = math.sqrt(max(1.0, shape[0] / shape[1]))
+    expected = _keller_float64(grad.lerp(grad * 0.05, 0.95))  # step one of Nesterov momentum
+    gaps = {}
+    for dtype in ("fp32", "bf16"):
+        w = torch.nn.Parameter(torch.zeros(shape))
+        w.grad, bias = grad.clone(), torch.nn.Parameter(torch.zeros(3))
+        groups = [{"algorithm": "muon", "params": [w]}, {"algorithm": "adamw", "params": [bias]}]
+        opt = TorchMuonAdamW(groups, lr=1.0, ns_dtype=dtype)
+        opt.step()
+        assert torch.Tensor.bfloat16 is not torch.Tensor.clone
+        assert w.dtype == torch.float32 and w.grad.dtype == torch.float32
+        gaps[dtype] = float((-w.detach().double() / scale - expected).abs().max())
+    assert gaps["fp32"] < 1e-5, gaps
+    assert gaps["bf16"] > 1e-3, gaps
+    with pytest.raises(ValueError, match="ns_dtype='fp16'"):
+        TorchMuonAdamW([{"algorithm": "muon", "params": [torch.nn.Parameter(torch.zeros(2, 2))]}], ns_dtype="fp16")
+
+
+def test_cli_same_dtype_rows(tmp_path: Path) -> None:
+    """``--ns-dtype fp32``: HybridMuon and torch.optim.Muon both iterate in fp32 (their errors agree
+    to fp32 rounding, not bf16's), and the choice is recorded."""
+    argv = ["bench", "step", "--models", "tiny", "--warmup", "1", "--repeats", "1", "--out", str(tmp_path)]
+    argv += ["--methods", "hybrid_muon_ns,torch_muon", "--no-presets", "--ns-dtype", "fp32"]
+    assert main(argv) == 0
+    data = json.loads((tmp_path / "step.json").read_text())
+    assert data["args"]["ns_dtype"] == "fp32"
+    rows = data["models"]["tiny"]["peers"]
+    assert "fp32" in rows["torch_muon"]["notes"] and "fp32" in rows["hybrid_muon_ns"]["notes"]
+    for key in ("max_abs_s_minus_1", "mean_abs_s_minus_1", "polar"):
+        assert rows["hybrid_muon_ns"][key] == pytest.approx(rows["torch_muon"][key], abs=1e-5), key
