@@ -197,6 +197,35 @@ def test_stochastic_rounding_picks_a_neighbour_and_is_unbiased() -> None:
     assert abs(sum(seen[500:]) / len(seen[500:]) - target) < 1.5e-3
 
 
+def _round_bf16_reference(value: float, salt: int) -> int:
+    """The bf16 bits :func:`round_bf16` gives one finite fp32 ``value``, in Python integers (unsigned
+    32-bit arithmetic): the hash of the value's bits and ``salt`` added below the kept mantissa."""
+    import struct
+
+    bits = struct.unpack("<I", struct.pack("<f", value))[0]
+    h = (bits ^ salt) & 0xFFFFFFFF
+    h = (h * 0x7FEB352D) & 0xFFFFFFFF
+    h ^= h >> 15
+    h = (h * 0x846CA68B) & 0xFFFFFFFF
+    rounded = ((bits + (h >> 16)) & 0xFFFFFFFF) & 0xFFFF0000
+    top = 0x7F7F0000  # bf16's largest finite magnitude: a carry into the exponent's top is clamped
+    if rounded & 0x7FFFFFFF > top:
+        rounded = (rounded & 0x80000000) | top
+    return rounded >> 16
+
+
+@pytest.mark.parametrize("salt", [0, 12345, 0xFFFFFFF9, 0x80000005])
+def test_stochastic_rounding_bits_are_the_hash(salt: int) -> None:
+    """Every bit of round_bf16 against a pure-Python run of its hash (values over 60 decades,
+    subnormals, the largest fp32 values, zeros): the stored bits a checkpoint resumes from."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(3000, generator=g) * torch.logspace(-30, 30, 3000)
+    x = torch.cat([x, torch.tensor([3.4028235e38, -3.4028235e38, 1e-45, -1e-45, 1.17e-38, 0.0, -0.0, 1.0])])
+    got = round_bf16(x, salt).view(torch.int16).tolist()
+    want = [_round_bf16_reference(v, salt) for v in x.tolist()]
+    assert [b & 0xFFFF for b in got] == want
+
+
 def test_stochastic_rounding_edges_and_tensor_salts() -> None:
     x = torch.tensor([float("inf"), -float("inf"), float("nan"), 3.39e38, -3.4e38, 0.0, -0.0, 1e-45, 1.0])
     y = round_bf16(x, 12345)
