@@ -212,7 +212,10 @@ class BF16(Codec):
         """``value`` rounded stochastically, salted by ``own``'s step and ``key``."""
         step = own.get(SALT_KEY)
         new = round_bf16(value, salt_of(0 if step is None else step, key))
-        held[0].copy_(new if ok is None else torch.where(ok, new, held[0]))
+        if ok is None:
+            held[0].copy_(new)
+        else:  # masked, written over the stored tensor (no second copy)
+            torch.where(ok, new, held[0], out=held[0])
 
 
 class Blockwise8(Codec):
@@ -238,8 +241,8 @@ class Blockwise8(Codec):
         new_codes, new_scales = torch.empty_like(codes), torch.empty_like(scales)
         quantize_into(new_codes, new_scales, value, signed=not unsigned, check=False)
         raw = codes.view(torch.uint8)
-        raw.copy_(torch.where(ok, new_codes.view(torch.uint8), raw))
-        scales.copy_(torch.where(ok, new_scales, scales))
+        torch.where(ok, new_codes.view(torch.uint8), raw, out=raw)
+        torch.where(ok, new_scales, scales, out=scales)
 
 
 CODECS: dict[str, Codec | None] = {"fp32": None, "bf16": BF16(), "8bit": Blockwise8()}
