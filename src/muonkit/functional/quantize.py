@@ -191,7 +191,8 @@ def round_bf16(x: Tensor, salt: int | Tensor) -> Tensor:
     # adding to the magnitude bits rounds away from zero for either sign; & -65536 clears the low 16
     rounded = h.bitwise_right_shift_(16).bitwise_and_(0xFFFF).add_(bits).bitwise_and_(-65536).view(torch.float32)
     big = torch.finfo(torch.bfloat16).max
-    rounded = torch.where(torch.isfinite(x), rounded.clamp_(-big, big), x)
+    finite = torch.bitwise_and(bits, 0x7F800000) != 0x7F800000  # exponent not all ones: isfinite(x), in 2 passes
+    rounded = torch.where(finite, rounded.clamp_(-big, big), x)
     return rounded.to(torch.bfloat16)  # exact: the low 16 bits are zero
 
 
