@@ -128,12 +128,15 @@ def quantize_into(codes: Tensor, scales: Tensor, x: Tensor, *, signed: bool, che
     # x / scale, not x * (1 / scale): the block's largest value lands on 448 exactly
     scaled = (blocks / safe.unsqueeze(-1)).clamp_(-_TOP, _TOP)
     if not signed:  # a second moment never decodes to 0 unless it is 0: the update would be m / eps
-        scaled = torch.where(blocks > 0, scaled.clamp(min=_FLOOR), scaled)
-    coded = scaled.to(CODE_DTYPE)
-    coded = coded.reshape(*coded.shape[:-2], coded.shape[-2] * BLOCK)
-    if pad:
-        coded = coded[..., : coded.shape[-1] - pad]
-    codes.copy_(coded.reshape(codes.shape))
+        scaled.clamp_(min=_FLOOR).mul_(blocks > 0)  # (values are >= 0: a zero one is coded 0)
+    if not pad and codes.is_contiguous():
+        codes.view(scaled.shape).copy_(scaled)  # cast and store in one pass
+    else:
+        coded = scaled.to(CODE_DTYPE)
+        coded = coded.reshape(*coded.shape[:-2], coded.shape[-2] * BLOCK)
+        if pad:
+            coded = coded[..., : coded.shape[-1] - pad]
+        codes.copy_(coded.reshape(codes.shape))
     scales.copy_(scale.reshape(scales.shape))
 
 
