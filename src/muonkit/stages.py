@@ -42,7 +42,7 @@ from muonkit.functional.muon import (
 from muonkit.functional.update_rule import StateSpec
 from muonkit.limits import work_dtype
 from muonkit.state_checks import row_count
-from muonkit.state_precision import SCALE_SUFFIX
+from muonkit.state_precision import SCALE_SUFFIX, Codec
 
 Rates = tuple[float | Tensor, float | Tensor]
 """A group's ``(lr, weight_decay)`` as a step applies them: numbers, or capturable, 0-dim device tensors."""
@@ -337,42 +337,78 @@ def adamw_step(
         moments = [(local(state[p]["exp_avg"]), local(state[p]["exp_avg_sq"])) for p in params]
         _adamw(params, moments, config, rates, strategy=strategy, state=state)
         return
-    for batch in _batches(params, strategy.local, CODEC_BATCH_ELEMENTS):
+    counts: dict[Tensor, Tensor] = {}  # a sliced param's step count before its first slice
+    for batch in _batches(params, strategy.local, CODEC_BATCH_ELEMENTS, sliced=_sliceable(codec, state)):
+        for p, rows in batch:
+            if rows is not None:  # every slice steps from the same count, so it ends one higher
+                step = state[p]["step"]
+                if p in counts:
+                    step.copy_(counts[p])
+                else:
+                    counts[p] = step.clone()
         moments = [
             (
-                codec.read(state[p], "exp_avg", p, strategy),
-                codec.read(state[p], "exp_avg_sq", p, strategy, unsigned=True),
+                codec.read(state[p], "exp_avg", p, strategy, rows=rows),
+                codec.read(state[p], "exp_avg_sq", p, strategy, unsigned=True, rows=rows),
             )
-            for p in batch
+            for p, rows in batch
         ]  # fp32 working copies, stored back after the step
         _adamw(batch, moments, config, rates, strategy=strategy, state=state)
-        for p, (m, v) in zip(batch, moments, strict=True):
-            codec.write(state[p], "exp_avg", m, p, strategy)
-            codec.write(state[p], "exp_avg_sq", v, p, strategy, unsigned=True)
+        for (p, rows), (m, v) in zip(batch, moments, strict=True):
+            codec.write(state[p], "exp_avg", m, p, strategy, rows=rows)
+            codec.write(state[p], "exp_avg_sq", v, p, strategy, unsigned=True, rows=rows)
 
 
 CODEC_BATCH_ELEMENTS = 1 << 22
 """The most values of params an AdamW group in bf16 or 8-bit state steps at once (its fp32 working
-moments: 32 MiB), so that the step's peak holds one batch's, not the whole group's."""
+moments: 32 MiB), so that the step's peak holds one batch's, not the whole group's; a larger param
+(a tied embedding) goes by slices of its rows (the same bits as whole: AdamW and both codecs work
+value by value, an 8-bit block within one row)."""
+
+Unit = tuple[Tensor, "slice | None"]
+"""A param, or the rows (dim 0) of its local tensor that one batch steps."""
 
 
-def _batches(params: list[Tensor], local: Callable[[Tensor], Tensor], limit: int) -> Iterator[list[Tensor]]:
-    """``params`` in order, cut into runs of at most ``limit`` local values (a larger param alone)."""
-    batch: list[Tensor] = []
+def _sliceable(codec: Codec, state: State) -> Callable[[Tensor], bool]:
+    """Whether a large param may go by row slices: its states are in ``codec``'s form or not made yet
+    (a state in another form converts whole at its first write, which slices would read after)."""
+
+    def check(p: Tensor) -> bool:
+        own = state[p]
+        return all(key not in own or codec.stores(own, key) for key in ("exp_avg", "exp_avg_sq"))
+
+    return check
+
+
+def _batches(
+    params: list[Tensor], local: Callable[[Tensor], Tensor], limit: int, *, sliced: Callable[[Tensor], bool]
+) -> Iterator[list[Unit]]:
+    """``params`` in order, cut into runs of at most ``limit`` local values; a larger param alone, by
+    slices of at most ``limit`` values of its rows where it has rows and ``sliced(p)``."""
+    batch: list[Unit] = []
     size = 0
     for p in params:
-        n = local(p).numel()
+        t = local(p)
+        n = t.numel()
+        if n > limit and t.dim() >= 2 and t.size(0) > 1 and sliced(p):
+            if batch:
+                yield batch
+                batch, size = [], 0
+            per = max(1, limit // (n // t.size(0)))
+            for start in range(0, t.size(0), per):
+                yield [(p, slice(start, min(start + per, t.size(0))))]
+            continue
         if batch and size + n > limit:
             yield batch
             batch, size = [], 0
-        batch.append(p)
+        batch.append((p, None))
         size += n
     if batch:
         yield batch
 
 
 def _adamw(
-    params: list[Tensor],
+    units: list[Tensor] | list[Unit],
     moments: list[tuple[Tensor, Tensor]],
     config: AdamWConfig,
     rates: Rates,
@@ -380,14 +416,16 @@ def _adamw(
     strategy: Strategy,
     state: State,
 ) -> None:
-    """:func:`~muonkit.functional.adamw.adamw_` on ``params`` with their local ``moments`` (updated in place)."""
+    """:func:`~muonkit.functional.adamw.adamw_` on params (or row slices of them: :data:`Unit`) with
+    their local ``moments`` (updated in place)."""
+    pairs = [u if isinstance(u, tuple) else (u, None) for u in units]
     local = strategy.local
     adamw_(
-        [local(p) for p in params],
-        [local(cast(Tensor, p.grad)) for p in params],
+        [local(p) if rows is None else local(p)[rows] for p, rows in pairs],
+        [local(cast(Tensor, p.grad)) if rows is None else local(cast(Tensor, p.grad))[rows] for p, rows in pairs],
         [m for m, _ in moments],
         [v for _, v in moments],
-        [state[p]["step"] for p in params],
+        [state[p]["step"] for p, _ in pairs],
         lr=rates[0],
         beta1=config.beta1,
         beta2=config.beta2,

@@ -97,6 +97,11 @@ def _plain(t: Tensor) -> Tensor:
     return t
 
 
+def _rows_of(local: Local, rows: slice | None) -> Local:
+    """``local``, or its ``rows`` (dim 0) where given."""
+    return local if rows is None else (lambda t: local(t)[rows])
+
+
 def local_scales(codes: Tensor, scales: Tensor) -> Tensor:
     """The scales of the local ``codes`` among the local ``scales`` a strategy laid out (a view): one per
     block of the local rows. A layout that shards the last dim holds ``(*lead, 1, ..., 1, k)`` (one
@@ -135,13 +140,22 @@ class Codec:
     name = "abstract"
 
     def read(
-        self, own: Mapping[str, Any], key: str, p: Tensor, strategy: Strategy, *, unsigned: bool = False
+        self,
+        own: Mapping[str, Any],
+        key: str,
+        p: Tensor,
+        strategy: Strategy,
+        *,
+        unsigned: bool = False,
+        rows: slice | None = None,
     ) -> Tensor:
         """A new working tensor (local, the work dtype) of state ``key`` of ``p`` (``own``: its state),
-        decoded from whatever form it is stored in, or zeros where ``p`` has none yet."""
+        decoded from whatever form it is stored in, or zeros where ``p`` has none yet. ``rows``: only
+        these rows (dim 0) of the local tensor (a block of 8-bit codes never spans two rows)."""
+        local = _rows_of(strategy.local, rows)
         if key not in own:
-            return torch.zeros_like(strategy.local(p), dtype=work_dtype(p.dtype))
-        return decoded_copy(own, key, work_dtype(p.dtype), strategy.local, unsigned=unsigned)
+            return torch.zeros_like(local(p), dtype=work_dtype(p.dtype))
+        return decoded_copy(own, key, work_dtype(p.dtype), local, unsigned=unsigned)
 
     def advance(self, own: Own, p: Tensor, ok: Tensor | None) -> None:
         """Called once per committed Muon-family param and step, before its states are written."""
@@ -157,11 +171,15 @@ class Codec:
         *,
         unsigned: bool = False,
         ok: Tensor | None = None,
+        rows: slice | None = None,
     ) -> None:
         """Store ``value`` (local fp32 values of state ``key`` of ``p``), replacing any other stored form;
-        ``ok``: a device verdict, where False leaves the stored values as they were."""
+        ``ok``: a device verdict, where False leaves the stored values as they were. ``rows``: ``value``
+        holds only these rows of the local tensor (the others keep what they hold; a new state's are
+        zeros until their own write)."""
         held = self._held(own, key, lambda dtype, blocks: strategy.new_state(p, dtype, blocks=blocks))
-        self._store([strategy.local(t) for t in held], value, own, key, unsigned=unsigned, ok=ok)
+        local = _rows_of(strategy.local, rows)
+        self._store([local(t) for t in held], value, own, key, unsigned=unsigned, ok=ok)
 
     def write_rows(self, own: Own, key: str, value: Tensor, *, unsigned: bool, ok: Tensor | None) -> None:
         """Store a ``"rows"`` state's new values (plain tensors, whole on every rank; masked by ``ok``)."""
@@ -171,6 +189,11 @@ class Codec:
             return torch.zeros(shape, dtype=dtype, device=value.device)
 
         self._store(self._held(own, key, new), value, own, key, unsigned=unsigned, ok=ok)
+
+    def stores(self, own: Mapping[str, Any], key: str) -> bool:
+        """Whether state ``key`` is stored in this codec's form (not missing, nor in another form that its
+        next write replaces)."""
+        raise NotImplementedError
 
     def _held(self, own: Own, key: str, new: New) -> list[Tensor]:
         """The stored tensors of state ``key``, made by ``new(dtype, blocks)`` where missing or in another form."""
@@ -199,12 +222,14 @@ class BF16(Codec):
             step = own[SALT_KEY] = torch.zeros((), dtype=torch.float32, device=p.device)  # read by no host code
         step.add_(1 if ok is None else ok.to(step.dtype))
 
+    def stores(self, own: Mapping[str, Any], key: str) -> bool:
+        return own.get(key) is not None and own[key].dtype == torch.bfloat16
+
     def _held(self, own: Own, key: str, new: New) -> list[Tensor]:
-        stored = own.get(key)
-        if stored is None or stored.dtype != torch.bfloat16:
-            stored = own[key] = new(torch.bfloat16, None)
+        if not self.stores(own, key):
+            own[key] = new(torch.bfloat16, None)
             own.pop(key + SCALE_SUFFIX, None)
-        return [stored]
+        return [own[key]]
 
     def _store(
         self, held: list[Tensor], value: Tensor, own: Own, key: str, *, unsigned: bool, ok: Tensor | None
@@ -223,12 +248,15 @@ class Blockwise8(Codec):
 
     name = "8bit"
 
+    def stores(self, own: Mapping[str, Any], key: str) -> bool:
+        codes = own.get(key)
+        return codes is not None and codes.dtype == CODE_DTYPE and own.get(key + SCALE_SUFFIX) is not None
+
     def _held(self, own: Own, key: str, new: New) -> list[Tensor]:
-        codes, scales = own.get(key), own.get(key + SCALE_SUFFIX)
-        if codes is None or codes.dtype != CODE_DTYPE or scales is None:
-            codes = own[key] = new(CODE_DTYPE, None)
-            scales = own[key + SCALE_SUFFIX] = new(torch.float32, BLOCK)
-        return [codes, scales]
+        if not self.stores(own, key):
+            own[key] = new(CODE_DTYPE, None)
+            own[key + SCALE_SUFFIX] = new(torch.float32, BLOCK)
+        return [own[key], own[key + SCALE_SUFFIX]]
 
     def _store(
         self, held: list[Tensor], value: Tensor, own: Own, key: str, *, unsigned: bool, ok: Tensor | None

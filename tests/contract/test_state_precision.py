@@ -284,27 +284,91 @@ def test_stored_bytes_per_precision() -> None:
 
 
 @pytest.mark.parametrize("precision", ["bf16", "8bit"])
-def test_adamw_batches_change_no_bit(precision: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """AdamW groups in bf16 / 8-bit step by batches of params (one batch's fp32 moments at a time):
-    batches of one param give the same params and stored states as one batch of all."""
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"cautious_wd": True, "weight_decay": 0.1},
+        {"dtype": torch.bfloat16},
+        {"capturable": True, "nonfinite": "unchecked"},
+    ],
+    ids=["plain", "cautious_wd", "bf16_params", "capturable"],
+)
+def test_adamw_batches_change_no_bit(precision: str, options: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """AdamW groups in bf16 / 8-bit step by batches of params (one batch's fp32 moments at a time),
+    a larger param by slices of its rows: batches of one param, slices of one row (limit 1) or of
+    two (limit 37: the 16-wide embedding and head) give the same params, stored states and step
+    counts as one batch of all."""
     from muonkit import stages
 
     runs = []
-    for limit in (1, 1 << 22):
+    for limit in (1, 37, 1 << 22):
         monkeypatch.setattr(stages, "CODEC_BATCH_ELEMENTS", limit)
-        model, opt = _setup(precision)
+        model, opt = _setup(precision, **options)
         _train(model, opt, 3)
         runs.append((_params(model), copy.deepcopy(opt.state_dict()["state"])))
-    (pa, sa), (pb, sb) = runs
-    assert all(torch.equal(pa[n], pb[n]) for n in pa)
-    for pid, own in sa.items():
-        for key, value in own.items():
-            other = sb[pid][key]
-            assert (
-                torch.equal(value.view(torch.uint8), other.view(torch.uint8))
-                if value.dtype == CODE_DTYPE
-                else torch.equal(value, other)
-            )
+    *sliced, (pb, sb) = runs
+    for pa, sa in sliced:
+        assert all(torch.equal(pa[n], pb[n]) for n in pa)
+        for pid, own in sa.items():
+            assert own.keys() == sb[pid].keys()
+            for key, value in own.items():
+                _assert_same_bits(value, sb[pid][key])
+
+
+def _assert_same_bits(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert a.dtype == b.dtype and a.shape == b.shape
+    assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if a.dtype == CODE_DTYPE else torch.equal(a, b)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "8bit"])
+def test_a_large_adamw_param_is_stepped_by_row_slices(precision: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A param larger than a batch (a tied embedding) goes by slices of its rows: the step's transient
+    memory is a slice's working moments, not the whole param's; and a state stored in another form
+    (fp32 from a checkpoint) is converted whole at its first step, the same bits as without slices."""
+    from muonkit import stages
+    from muonkit.testing import LiveBytes
+
+    def run(limit: int, state_dtype: str = precision) -> tuple[torch.Tensor, dict[Any, Any], int]:
+        monkeypatch.setattr(stages, "CODEC_BATCH_ELEMENTS", limit)
+        torch.manual_seed(0)
+        emb = nn.Parameter(torch.randn(1024, 256))  # 262,144 values, 1 MiB in fp32
+        opt = muonkit.HybridMuon([{"params": [emb], "algorithm": "adamw", "lr": 1e-3}], state_dtype=state_dtype)
+        peaks = []
+        for step in range(3):
+            emb.grad = torch.randn(1024, 256, generator=torch.Generator().manual_seed(step))
+            with LiveBytes() as live:
+                opt.step()
+            peaks.append(live.peak)
+        return emb.detach().clone(), copy.deepcopy(opt.state_dict()), max(peaks[1:])
+
+    whole_p, whole_s, whole_peak = run(1 << 22)
+    sliced_p, sliced_s, sliced_peak = run(1 << 14)  # 64 rows a slice
+    assert torch.equal(whole_p, sliced_p)
+    for key, value in whole_s["state"][0].items():
+        _assert_same_bits(value, sliced_s["state"][0][key])
+    # whole: two fp32 moments of the param and AdamW's temporaries (~4 MiB); a slice's: 64 KiB each
+    assert whole_peak > 2 * 2**20 and sliced_peak < whole_peak / 8, (whole_peak, sliced_peak)
+    # an fp32 state loaded into a low-precision optimizer: converted whole, then sliced
+    converted = []
+    for limit in (1 << 22, 1 << 14):
+        monkeypatch.setattr(stages, "CODEC_BATCH_ELEMENTS", limit)
+        torch.manual_seed(0)
+        emb = nn.Parameter(torch.randn(1024, 256))
+        fp32 = muonkit.HybridMuon([{"params": [emb], "algorithm": "adamw", "lr": 1e-3}])
+        emb.grad = torch.randn(1024, 256, generator=torch.Generator().manual_seed(9))
+        fp32.step()
+        opt = muonkit.HybridMuon([{"params": [emb], "algorithm": "adamw", "lr": 1e-3}], state_dtype=precision)
+        opt.load_state_dict(fp32.state_dict())
+        for step in range(2):
+            emb.grad = torch.randn(1024, 256, generator=torch.Generator().manual_seed(step))
+            opt.step()
+        converted.append((emb.detach().clone(), copy.deepcopy(opt.state_dict()["state"][0])))
+    (pa, sa), (pb, sb) = converted
+    assert torch.equal(pa, pb) and sa.keys() == sb.keys()
+    assert sa["exp_avg"].dtype == (torch.bfloat16 if precision == "bf16" else CODE_DTYPE)
+    for key in sa:
+        _assert_same_bits(sa[key], sb[key])
 
 
 @pytest.mark.parametrize("precision", ["bf16", "8bit"])

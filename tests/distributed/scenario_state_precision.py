@@ -244,6 +244,28 @@ def fsdp2_dim1_low_precision_states_match_one_device(ctx: Context) -> None:
 
 
 @check(2, 4)
+def row_sliced_adamw_states_match_one_device(ctx: Context) -> None:
+    """AdamW params stepped by slices of their local rows (a batch limit of 100 values: the (5, 520)
+    matrix one row at a time, its 8-bit scales sliced with it, also where FSDP2 shards its last dim)."""
+    from muonkit import stages
+
+    saved, batches, slices = stages.CODEC_BATCH_ELEMENTS, stages._batches, []
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        for batch in batches(*args, **kwargs):
+            slices.extend(rows for _, rows in batch if rows is not None)
+            yield batch
+
+    stages.CODEC_BATCH_ELEMENTS, stages._batches = 100, counted
+    try:
+        _run(ctx, "fsdp-dim0-sliced", _zoo_make("fsdp", ZOO))
+        _run(ctx, "fsdp-dim1-sliced", _zoo_make("columns", ZOO))
+    finally:
+        stages.CODEC_BATCH_ELEMENTS, stages._batches = saved, batches
+    assert slices, "no param was stepped by row slices"
+
+
+@check(2, 4)
 def normuon_fsdp2_dim1_low_precision_states_match_one_device(ctx: Context) -> None:
     _run(ctx, "normuon-fsdp-dim1", _zoo_make("columns", NORMUON_ZOO))
 
