@@ -35,6 +35,7 @@ def main(steps: int = 10) -> None:
     path = sys.argv[1] if len(sys.argv) > 1 else tempfile.gettempdir() + "/muonkit-ddp-example"
     save_checkpoint(path, model=model.module, optimizer=opt)
     load_checkpoint(path, model=model.module, optimizer=opt)
+    dist.barrier()  # every rank done with the group before any tears it down (gloo aborts otherwise)
     dist.destroy_process_group()
 
 

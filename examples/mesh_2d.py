@@ -35,6 +35,7 @@ def main(steps: int = 10) -> None:
         opt.zero_grad()
     if dist.get_rank() == 0:
         print(f"mesh {tuple(mesh.shape)}; strategy {opt.strategy.name}; loss {loss.item():.4f}")
+    dist.barrier()  # every rank done with the group before any tears it down (gloo aborts otherwise)
     dist.destroy_process_group()
 
 

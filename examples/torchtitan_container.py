@@ -33,6 +33,7 @@ def main(steps: int = 6) -> None:
         schedulers.step()
     if dist.get_rank() == 0:
         print(f"loss {loss.item():.4f}; state dict keys like {next(iter(optimizers.state_dict()))}")
+    dist.barrier()  # every rank done with the group before any tears it down (gloo aborts otherwise)
     dist.destroy_process_group()
 
 
