@@ -81,21 +81,31 @@ def plot_sweep(report: dict[str, Any], path: str | Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8), dpi=120)
-    for key, label, color in (("adamw", "AdamW (lr)", "tab:blue"), ("muon", "HybridMuon (Muon lr)", "tab:orange")):
-        points = [(float(lr), r["final_val_loss"]) for lr, r in report["sweep"][key].items()]
-        points = [(lr, v) for lr, v in points if v is not None and math.isfinite(v)]
-        if points:
-            left.plot(*zip(*points, strict=True), "o-", color=color, label=label)
-    left.set_xscale("log")
-    left.set_xlabel("learning rate")
-    left.set_ylabel(f"final val loss after {report['plan']['sweep_steps']} steps")
-    left.set_title("lr sweep (seed 0)")
-    left.grid(alpha=0.3)
-    left.legend(fontsize=8)
+    sweep = report["sweep"]
+    curves = [(sweep["adamw"], "AdamW (lr)", "tab:blue"), (sweep["muon"], "HybridMuon (Muon lr)", "tab:orange")]
+    _sweep_curves(left, curves, report, xlabel="learning rate", title="lr sweep (seed 0)")
     _full_runs(right, report, color=COLORS.__getitem__, name=ARM_NAMES.__getitem__, lw=1.4)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+def _sweep_curves(
+    left: Any, curves: list[tuple[dict[str, Any], str, str]], report: dict[str, Any], *, xlabel: str, title: str
+) -> None:
+    """The left panel: each ``(results by lr, label, color)`` curve's final val loss against the lr
+    (diverged runs left out)."""
+    for results, label, color in curves:
+        points = [(float(lr), r["final_val_loss"]) for lr, r in results.items()]
+        points = [(lr, v) for lr, v in points if v is not None and math.isfinite(v)]
+        if points:
+            left.plot(*zip(*points, strict=True), "o-", color=color, label=label)
+    left.set_xscale("log")
+    left.set_xlabel(xlabel)
+    left.set_ylabel(f"final val loss after {report['plan']['sweep_steps']} steps")
+    left.set_title(title)
+    left.grid(alpha=0.3)
+    left.legend(fontsize=8)
 
 
 def _full_runs(right: Any, report: dict[str, Any], *, color: Any, name: Any, lw: float) -> None:
@@ -180,17 +190,8 @@ def plot_arms(report: dict[str, Any], path: str | Path) -> None:
     colors = ["tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown"]
     arm_colors = {"adamw": "tab:blue", **dict(zip(report["plan"]["arms"], colors, strict=False))}
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8), dpi=120)
-    for arm, results in report["sweep"]["muon"].items():
-        points = [(float(lr), r["final_val_loss"]) for lr, r in results.items()]
-        points = [(lr, v) for lr, v in points if v is not None and math.isfinite(v)]
-        if points:
-            left.plot(*zip(*points, strict=True), "o-", color=arm_colors[arm], label=f"HybridMuon {arm}")
-    left.set_xscale("log")
-    left.set_xlabel("Muon learning rate")
-    left.set_ylabel(f"final val loss after {report['plan']['sweep_steps']} steps")
-    left.set_title("Muon lr sweep per variant (seed 0)")
-    left.grid(alpha=0.3)
-    left.legend(fontsize=8)
+    curves = [(results, f"HybridMuon {arm}", arm_colors[arm]) for arm, results in report["sweep"]["muon"].items()]
+    _sweep_curves(left, curves, report, xlabel="Muon learning rate", title="Muon lr sweep per variant (seed 0)")
     _full_runs(
         right, report, color=arm_colors.__getitem__, lw=1.2,
         name=lambda arm: "AdamW" if arm == "adamw" else f"HybridMuon {arm}",
