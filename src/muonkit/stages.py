@@ -335,7 +335,7 @@ def adamw_step(
     if codec is None:
         local = strategy.local
         moments = [(local(state[p]["exp_avg"]), local(state[p]["exp_avg_sq"])) for p in params]
-        _adamw(params, moments, config, rates, strategy=strategy, state=state)
+        _adamw([(p, None) for p in params], moments, config, rates, strategy=strategy, state=state)
         return
     counts: dict[Tensor, Tensor] = {}  # a sliced param's step count before its first slice
     for batch in _batches(params, strategy.local, CODEC_BATCH_ELEMENTS, sliced=_sliceable(codec, state)):
@@ -367,6 +367,10 @@ value by value, an 8-bit block within one row)."""
 
 Unit = tuple[Tensor, "slice | None"]
 """A param, or the rows (dim 0) of its local tensor that one batch steps."""
+
+
+def _rows(t: Tensor, rows: slice | None) -> Tensor:
+    return t if rows is None else t[rows]
 
 
 def _sliceable(codec: Codec, state: State) -> Callable[[Tensor], bool]:
@@ -408,7 +412,7 @@ def _batches(
 
 
 def _adamw(
-    units: list[Tensor] | list[Unit],
+    units: list[Unit],
     moments: list[tuple[Tensor, Tensor]],
     config: AdamWConfig,
     rates: Rates,
@@ -416,16 +420,15 @@ def _adamw(
     strategy: Strategy,
     state: State,
 ) -> None:
-    """:func:`~muonkit.functional.adamw.adamw_` on params (or row slices of them: :data:`Unit`) with
+    """:func:`~muonkit.functional.adamw.adamw_` on params or row slices of them (:data:`Unit`) with
     their local ``moments`` (updated in place)."""
-    pairs = [u if isinstance(u, tuple) else (u, None) for u in units]
     local = strategy.local
     adamw_(
-        [local(p) if rows is None else local(p)[rows] for p, rows in pairs],
-        [local(cast(Tensor, p.grad)) if rows is None else local(cast(Tensor, p.grad))[rows] for p, rows in pairs],
+        [_rows(local(p), rows) for p, rows in units],
+        [_rows(local(cast(Tensor, p.grad)), rows) for p, rows in units],
         [m for m, _ in moments],
         [v for _, v in moments],
-        [state[p]["step"] for p, _ in pairs],
+        [state[p]["step"] for p, _ in units],
         lr=rates[0],
         beta1=config.beta1,
         beta2=config.beta2,
