@@ -169,6 +169,13 @@ def _disable_compile_unless_asked() -> None:
         torch._dynamo.config.disable = True
 
 
+def ns_options(ns_dtype: str | None) -> dict[str, Any]:
+    """HybridMuon's keyword for a Newton-Schulz dtype of :data:`NS_DTYPES` (none for None: its own choice)."""
+    if ns_dtype is not None and ns_dtype not in NS_DTYPES:
+        raise ValueError(f"Invalid ns_dtype={ns_dtype!r}: must be one of {sorted(NS_DTYPES)} or None")
+    return {} if ns_dtype is None else {"ns_dtype": NS_DTYPES[ns_dtype]}
+
+
 def peers(*, deepspeed: bool = True, compiled: bool = False, ns_dtype: str | None = None) -> dict[str, Peer]:
     """The comparable set: every Muon method with Keller's coefficients and 5 steps, Nesterov;
     with ``compiled``, also the peers whose ``step()`` runs under ``torch.compile``.
@@ -178,9 +185,7 @@ def peers(*, deepspeed: bool = True, compiled: bool = False, ns_dtype: str | Non
     this machine multiplies bf16 fast, else fp32; torch.optim.Muon always bf16). DeepSpeed's Muon
     always picks its own.
     """
-    if ns_dtype is not None and ns_dtype not in NS_DTYPES:
-        raise ValueError(f"Invalid ns_dtype={ns_dtype!r}: must be one of {sorted(NS_DTYPES)} or None")
-    ours: dict[str, Any] = {} if ns_dtype is None else {"ns_dtype": NS_DTYPES[ns_dtype]}
+    ours = ns_options(ns_dtype)
     mine = "bf16 where fast, else fp32" if ns_dtype is None else ns_dtype
     torch_dtype = ns_dtype or "bf16"
     table = {

@@ -270,9 +270,9 @@ def compare_peers(h: Harness, args: argparse.Namespace) -> dict[str, Any]:
 
 def compare_presets(h: Harness, args: argparse.Namespace) -> dict[str, Any]:
     from muonkit.functional.coefficients import PRESETS
-    from muonkit_bench.peers import NS_DTYPES, hybrid_muon
+    from muonkit_bench.peers import hybrid_muon, ns_options
 
-    ours: dict[str, Any] = {"ns_dtype": NS_DTYPES[args.ns_dtype]} if getattr(args, "ns_dtype", None) else {}
+    ours = ns_options(getattr(args, "ns_dtype", None))
     rows = {}
     for preset in chosen("--presets", args.presets, PRESETS):
         for steps in _ns_steps(args.ns_steps):
